@@ -1,0 +1,19 @@
+"""The backend's own all-reduce (gloo's ring/halving-doubling, NCCL's ring/tree).
+
+Cost: whatever the backend does; it is the baseline every other algorithm is
+measured against. It is asynchronous: the backend queues the work on its own
+threads, so several buckets can be in flight at once.
+"""
+import torch.distributed as dist
+
+
+def all_reduce_async(tensor, group):
+    """Start an in-place sum of `tensor` over `group`; return a Future of the tensor."""
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(lambda fut: tensor)
+
+
+def all_reduce(tensor, group):
+    """In-place sum of `tensor` over `group` (every rank calls it); returns the tensor."""
+    dist.all_reduce(tensor, group=group)
+    return tensor

@@ -1,0 +1,82 @@
+"""The communication engine: one background thread that runs all-reduces in order.
+
+Why a thread: algorithms written on point-to-point send/recv are Python loops
+that block; running them here lets backward go on computing while buckets
+travel. Why one thread: buckets must be reduced in the same order on every
+rank, and a single FIFO consumer makes that order the submission order.
+
+The engine owns a process group of its own (`dist.new_group` over the same
+ranks), so the user's collectives on the default group never interleave with
+gradient traffic.
+
+Errors: an exception inside a job is set on that job's future (the training
+process sees it when it waits, at the latest at the end of backward) and
+poisons the engine, so later jobs fail at once instead of waiting for peers
+that have moved on.
+"""
+import queue
+import threading
+
+import torch
+
+_STOP = object()
+
+
+class CommEngine:
+    """Runs `job(*args)` callables on a background thread, in submission order."""
+
+    def __init__(self, group, name="minddp-comm"):
+        self.group = group
+        self._jobs = queue.SimpleQueue()
+        self._error = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job, *args):
+        """Queue `job(*args)`; return a Future of its result.
+
+        A job may return a Future itself (an asynchronous backend operation);
+        the engine's future then completes when that one does.
+        """
+        fut = torch.futures.Future()
+        if self._error is not None:
+            fut.set_exception(RuntimeError(f"minddp: communication engine stopped after an "
+                                           f"earlier error: {self._error}"))
+        else:
+            self._jobs.put((job, args, fut))
+        return fut
+
+    def close(self, timeout=5.0):
+        """Stop the thread after the queued jobs; safe to call more than once."""
+        if self._thread.is_alive():
+            self._jobs.put(_STOP)
+            self._thread.join(timeout)
+
+    def _loop(self):
+        while True:
+            item = self._jobs.get()
+            if item is _STOP:
+                return
+            job, args, fut = item
+            if self._error is not None:
+                fut.set_exception(RuntimeError(f"minddp: communication engine stopped after "
+                                               f"an earlier error: {self._error}"))
+                continue
+            try:
+                result = job(*args)
+            except Exception as e:  # noqa: BLE001 - handed to the waiting thread
+                self._error = e
+                fut.set_exception(e)
+                continue
+            # Backend work returns torch._C.Future, the base of torch.futures.Future.
+            if isinstance(result, torch._C.Future):
+                result.add_done_callback(lambda done, fut=fut: self._forward(done, fut))
+            else:
+                fut.set_result(result)
+
+    def _forward(self, done, fut):
+        try:
+            fut.set_result(done.value())
+        except Exception as e:  # noqa: BLE001 - the backend's error, passed on
+            self._error = e
+            fut.set_exception(e)

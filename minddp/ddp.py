@@ -1,0 +1,190 @@
+"""The wrapper: minddp.DistributedDataParallel, a drop-in for torch's.
+
+Construction checks the model and the settings on every rank, broadcasts rank
+0's parameters and buffers, opens a process group for gradient traffic and
+hands the parameters to a Reducer (reducer.py), which does the real work.
+"""
+import contextlib
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minddp import algorithms
+from minddp.comm import CommEngine
+from minddp.model_sync import broadcast_from_first, check_same_model
+from minddp.reducer import Reducer
+
+COMPRESSIONS = (None, "fp16", "bf16")
+
+
+def _timeout_of(group):
+    """The process group's own timeout (gloo and NCCL keep it in their options)."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except Exception:  # noqa: BLE001 - e.g. an NCCL-only group
+        backend = group._get_backend(torch.device("cuda"))
+    try:
+        return backend.options._timeout
+    except AttributeError:
+        return datetime.timedelta(minutes=30)
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel wrapper: after `loss.backward()` every `.grad` is the mean over ranks.
+
+    Every rank of `process_group` (default: the world) must construct it with
+    the same model and arguments. Keywords mean what they mean in torch's DDP;
+    `algorithm` picks the all-reduce ("native" is the backend's own, "auto"
+    chooses), `compression` sends gradients as fp16/bf16.
+    """
+
+    def __init__(self, module, device_ids=None, output_device=None, broadcast_buffers=True,
+                 process_group=None, bucket_cap_mb=25, find_unused_parameters=False,
+                 gradient_as_bucket_view=False, algorithm="auto", compression=None,
+                 timeout=None):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("minddp: the default process group is not initialised; call "
+                               "torch.distributed.init_process_group() (torchrun sets the "
+                               "environment for it) before wrapping the model.")
+        group = process_group if process_group is not None else dist.group.WORLD
+        rank = dist.get_rank(group)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._check_arguments(module, named, rank, device_ids, bucket_cap_mb, algorithm,
+                              compression)
+        self.module = module
+        self.device_ids = device_ids
+        self.output_device = output_device
+        self.broadcast_buffers = broadcast_buffers
+        self.process_group = group
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.algorithm, self.compression = algorithm, compression
+        self.require_backward_grad_sync = True
+        # torch broadcasts buffers only in a forward that follows a synced
+        # forward (its require_forward_param_sync); kept for exact parity.
+        self._sync_buffers_next = True
+        self.world_size = dist.get_world_size(group)
+
+        settings = {"bucket_cap_mb": bucket_cap_mb, "algorithm": algorithm,
+                    "compression": compression, "find_unused_parameters": find_unused_parameters,
+                    "gradient_as_bucket_view": gradient_as_bucket_view,
+                    "broadcast_buffers": broadcast_buffers}
+        check_same_model(named, settings, group)
+        broadcast_from_first([p.data for _, p in module.named_parameters()] +
+                             [b for b in module.buffers()], group)
+
+        timeout = timeout if timeout is not None else _timeout_of(group)
+        if isinstance(timeout, (int, float)):
+            timeout = datetime.timedelta(seconds=timeout)
+        self.comm_group = dist.new_group(dist.get_process_group_ranks(group),
+                                         backend=dist.get_backend(group), timeout=timeout,
+                                         use_local_synchronization=group is not dist.group.WORLD)
+        self.engine = CommEngine(self.comm_group)
+        impl = algorithms.resolve(algorithm)
+        job = getattr(impl, "all_reduce_async", impl.all_reduce)
+        used_job = algorithms.ALGORITHMS["native"].all_reduce_async
+        self.reducer = Reducer(
+            named, world_size=self.world_size, rank=rank,
+            bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024),
+            reduce=lambda buffer: self.engine.submit(job, buffer, self.comm_group),
+            reduce_used=lambda used: self.engine.submit(used_job, used, self.comm_group),
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view, describe=f"algorithm {algorithm!r}")
+
+    @staticmethod
+    def _check_arguments(module, named, rank, device_ids, bucket_cap_mb, algorithm, compression):
+        where = f"minddp (rank {rank})"
+        if not named:
+            raise ValueError(f"{where}: the module has no parameter that requires grad, so "
+                             f"there is nothing to synchronise; wrap a trainable module.")
+        devices = {p.device for _, p in named}
+        if len(devices) > 1:
+            placed = ", ".join(f"{n} on {p.device}" for n, p in named[:4])
+            raise ValueError(f"{where}: parameters live on several devices ({placed}, ...); "
+                             f"move the whole module to one device before wrapping it.")
+        device = devices.pop()
+        if device.type == "meta":
+            raise ValueError(f"{where}: the module is on the meta device; materialise it "
+                             f"(module.to_empty(device=...)) and initialise it first.")
+        if device_ids is not None and (device.type == "cpu" or len(device_ids) != 1 or
+                                       torch.device(device.type, device.index) !=
+                                       torch.device(device.type, _index(device_ids[0]))):
+            raise ValueError(f"{where}: device_ids={device_ids!r} does not match the module's "
+                             f"device {device}; pass device_ids=None for CPU modules, or "
+                             f"[the single GPU the module is on].")
+        if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
+            raise ValueError(f"{where}: bucket_cap_mb must be a positive number of MiB, "
+                             f"got {bucket_cap_mb!r}.")
+        if algorithm not in algorithms.CHOICES:
+            raise ValueError(f"{where}: unknown algorithm {algorithm!r}; choose one of "
+                             f"{list(algorithms.CHOICES)}.")
+        algorithms.resolve(algorithm)  # raises if that one is not implemented yet
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"{where}: unknown compression {compression!r}; choose one of "
+                             f"{list(COMPRESSIONS)}.")
+        if compression is not None:
+            raise NotImplementedError(f"{where}: compression={compression!r} is not implemented "
+                                      f"yet in this version; use compression=None.")
+        for n, p in named:
+            if not p.is_floating_point() and not p.is_complex():
+                raise ValueError(f"{where}: parameter '{n}' has dtype {p.dtype} and requires "
+                                 f"grad; only floating-point parameters can have gradients.")
+
+    # -- forward -----------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        self.reducer.check_finished()
+        if self.device_ids:
+            inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", _index(self.device_ids[0])))
+        if self.broadcast_buffers and self.world_size > 1 and self._sync_buffers_next:
+            buffers = list(self.module.buffers())
+            if buffers:
+                broadcast_from_first(buffers, self.process_group)
+        outputs = self.module(*inputs, **kwargs)
+        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if synced:
+            self.reducer.prepare(outputs)
+        self._sync_buffers_next = synced
+        return outputs
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside, backward accumulates gradients locally; the next synced step reduces them."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state, hook):
+        """Use `hook(state, bucket) -> Future[Tensor]` to reduce each bucket (torch's protocol).
+
+        The bucket's buffer holds the local sum of gradients (not divided by
+        the world size); the future's value must be the averaged buffer.
+        Must be called before the first backward, at most once.
+        """
+        if not callable(hook):
+            raise TypeError(f"minddp: the comm hook must be callable, got {type(hook).__name__}")
+        self.reducer.set_comm_hook(state, hook)
+
+    def __del__(self):
+        engine = self.__dict__.get("engine")
+        if engine is not None:
+            engine.close(timeout=1.0)
+
+
+def _index(device_id):
+    return device_id.index if isinstance(device_id, torch.device) else int(device_id)
+
+
+def _to_device(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj

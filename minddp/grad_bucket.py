@@ -1,0 +1,38 @@
+"""The object a communication hook receives: torch's `dist.GradBucket` protocol.
+
+Hooks written for torch DDP (`ddp_comm_hooks.default_hooks`, PowerSGD) call
+these methods, so the names and meanings follow torch's.
+"""
+
+
+class GradBucket:
+    def __init__(self, bucket, is_last):
+        self._bucket = bucket
+        self._is_last = is_last
+
+    def index(self):
+        """Position of this bucket in reduction order (0 is reduced first)."""
+        return self._bucket.index
+
+    def buffer(self):
+        """The flat gradient buffer (sum of local gradients, not yet averaged)."""
+        return self._bucket.buffer
+
+    def gradients(self):
+        """Per-parameter views into the buffer, shaped like the parameters."""
+        return [self._bucket.view(i) for i in range(len(self._bucket.params))]
+
+    def parameters(self):
+        return list(self._bucket.params)
+
+    def is_last(self):
+        """True for the last bucket of the iteration (hooks use it to step state)."""
+        return self._is_last
+
+    def set_buffer(self, tensor):
+        """Replace the buffer's contents with `tensor` (same number of elements)."""
+        buffer = self._bucket.buffer
+        if tensor.numel() != buffer.numel():
+            raise ValueError(f"minddp: set_buffer got {tensor.numel()} elements for bucket "
+                             f"{self.index()} of {buffer.numel()}")
+        buffer.copy_(tensor.reshape(-1))

@@ -1,0 +1,80 @@
+"""Start-up agreement between ranks: same model, same settings, same weights.
+
+torch DDP checks the model on each rank separately, so a mismatch can make
+some ranks raise and leave the others hanging. Here every rank gathers every
+rank's description first, so all of them see the same mismatch and raise the
+same error.
+"""
+import torch
+import torch.distributed as dist
+
+
+def describe(named_params, settings):
+    """A small picklable description of a model and its wrapper settings."""
+    return {"params": [(n, tuple(p.shape), str(p.dtype)) for n, p in named_params],
+            "settings": settings}
+
+
+def _first_difference(mine, theirs):
+    for k, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            return k, a, b
+    k = min(len(mine), len(theirs))
+    return k, mine[k] if k < len(mine) else None, theirs[k] if k < len(theirs) else None
+
+
+def _show(param):
+    if param is None:
+        return "no parameter there"
+    name, shape, dtype = param
+    return f"'{name}' of shape {list(shape)} and dtype {dtype}"
+
+
+def check_same_model(named_params, settings, group):
+    """Raise the same ValueError on every rank if any rank's model or settings differ."""
+    me = dist.get_rank(group)
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, describe(named_params, settings), group=group)
+    ref = everyone[0]
+    for other, desc in enumerate(everyone[1:], start=1):
+        if desc["params"] != ref["params"]:
+            k, a, b = _first_difference(ref["params"], desc["params"])
+            raise ValueError(
+                f"minddp (rank {me}): the model differs between ranks 0 and {other}: "
+                f"rank 0 has {len(ref['params'])} trainable parameters, rank {other} has "
+                f"{len(desc['params'])}; first difference at parameter #{k}: rank 0 has "
+                f"{_show(a)}, rank {other} has {_show(b)}. Build the same model on every rank.")
+        if desc["settings"] != ref["settings"]:
+            diff = [key for key in ref["settings"] if ref["settings"][key] != desc["settings"].get(key)]
+            shown = ", ".join(f"{k}={ref['settings'][k]!r} on rank 0 but "
+                              f"{desc['settings'].get(k)!r} on rank {other}" for k in diff)
+            raise ValueError(f"minddp (rank {me}): ranks disagree on the wrapper's settings: "
+                             f"{shown}. Pass the same arguments on every rank.")
+
+
+def broadcast_from_first(tensors, group, cap_bytes=64 * 1024 * 1024):
+    """Overwrite `tensors` on every rank with their values on the group's rank 0.
+
+    Tensors are packed into flat buffers of one dtype and device (up to
+    `cap_bytes` each) so a model costs a few broadcasts, not one per tensor.
+    """
+    if dist.get_world_size(group) == 1:
+        return
+    batches = {}
+    for t in tensors:
+        batches.setdefault((t.dtype, t.device), []).append(t)
+    for batch in batches.values():
+        chunk, size = [], 0
+        for t in batch + [None]:
+            if t is not None:
+                chunk.append(t)
+                size += t.numel() * t.element_size()
+            if chunk and (t is None or size >= cap_bytes):
+                flat = torch.cat([c.detach().reshape(-1) for c in chunk])
+                dist.broadcast(flat, group=group, group_src=0)
+                offset = 0
+                with torch.no_grad():
+                    for c in chunk:
+                        c.copy_(flat[offset:offset + c.numel()].view_as(c))
+                        offset += c.numel()
+                chunk, size = [], 0

@@ -1,0 +1,217 @@
+"""The reducer: gradient readiness, bucket launch in order, finalize after backward.
+
+One iteration, as the reducer sees it:
+
+    forward  -> prepare(outputs)       arm; note unused parameters (find_unused_parameters)
+    backward -> hook(param) per param  copy .grad into its bucket slot (divided by the
+                                       world size unless a comm hook runs); a bucket whose
+                                       last slot is filled is launched, but only once every
+                                       bucket before it has been: launches go in index order
+                                       on every rank, whatever order gradients arrive in
+             -> finalize()             (autograd engine callback, end of backward) wait for
+                                       every bucket, write the averaged buckets back to .grad
+
+A parameter that never got its gradient leaves its bucket unlaunched; that is
+reported at the next forward, naming the parameters and the rank.
+"""
+import torch
+import torch.distributed as dist
+
+from minddp import buckets as bucketing
+from minddp.grad_bucket import GradBucket
+from minddp.graph import reached_parameters
+
+
+class Reducer:
+    """Owns the buckets of one wrapped module and runs their reduction each iteration.
+
+    `reduce(buffer) -> Future` sums a bucket buffer over the ranks (in place or
+    not; the future's value is the reduced tensor). `reduce_used(tensor) ->
+    Future` sums the used-parameter map (find_unused_parameters only).
+    """
+
+    def __init__(self, named_params, *, world_size, rank, bucket_cap_bytes, reduce, reduce_used,
+                 find_unused_parameters=False, gradient_as_bucket_view=False, describe="native",
+                 first_bucket_bytes=bucketing.FIRST_BUCKET_BYTES):
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.world_size, self.rank = world_size, rank
+        self.find_unused = find_unused_parameters
+        self.as_view = gradient_as_bucket_view
+        self.describe = describe  # the algorithm, for error messages
+        self._reduce, self._reduce_used = reduce, reduce_used
+        self.buckets = bucketing.build(self.params, self.names, bucket_cap_bytes,
+                                       first_bucket_bytes)
+        self._where = {}  # parameter index -> (bucket, position in bucket)
+        position = {id(p): i for i, p in enumerate(self.params)}
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                self._where[position[id(p)]] = (bucket, i)
+        self.comm_hook = None
+        self.hook_state = None
+        self.used = torch.zeros(len(self.params), dtype=torch.int32)
+        self._armed = False         # a synced forward ran; its backward will reduce
+        self._started = False       # the first gradient hook of this backward has run
+        self._unused_at_forward = []
+        self._unfinished = None     # error for the next forward, if one iteration broke
+        self.iterations = 0         # backward passes finalized
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i))
+                         for i, p in enumerate(self.params)]
+
+    # -- hooks API ---------------------------------------------------------------
+    def set_comm_hook(self, state, hook):
+        if self.comm_hook is not None:
+            raise RuntimeError("minddp: register_comm_hook can only be called once")
+        if self.iterations or self._started:
+            raise RuntimeError("minddp: register_comm_hook must be called before the first "
+                               "backward pass")
+        self.comm_hook, self.hook_state = hook, state
+
+    # -- forward -----------------------------------------------------------------
+    def check_finished(self):
+        """Raise if the previous iteration left buckets unreduced."""
+        if self._unfinished is not None:
+            raise RuntimeError(self._unfinished)
+
+    def prepare(self, outputs=None):
+        """Arm the reducer for the backward of `outputs` (called by every synced forward)."""
+        self.check_finished()
+        self._armed, self._started = True, False
+        self._unused_at_forward = []
+        if self.find_unused:
+            reached = reached_parameters(outputs)
+            self._unused_at_forward = [i for i, p in enumerate(self.params)
+                                       if id(p) not in reached]
+
+    # -- backward ----------------------------------------------------------------
+    def _hook_for(self, index):
+        def hook(param):
+            if self._armed:
+                self._on_ready(index)
+        return hook
+
+    def _start_backward(self):
+        self._started = True
+        self._ready = [False] * len(self.params)
+        self._next = 0
+        self._futures = [None] * len(self.buckets)
+        self._used_future = None
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+        self.used.zero_()
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        for index in self._unused_at_forward:
+            self._mark_ready(index)
+
+    def _on_ready(self, index):
+        if not self._started:
+            self._start_backward()
+        if self._ready[index]:
+            raise RuntimeError(
+                f"minddp (rank {self.rank}): parameter '{self.names[index]}' received its "
+                f"gradient twice in one backward pass. Either it was reported unused at forward "
+                f"(find_unused_parameters) but backward reached it, or it takes part in several "
+                f"backward passes (reentrant checkpointing); give each backward its own forward.")
+        self.used[index] = 1
+        self._mark_ready(index)
+        self._launch_ready()
+
+    def _mark_ready(self, index):
+        bucket, i = self._where[index]
+        param, view = bucket.params[i], bucket.view(i)
+        grad = param.grad
+        divide = self.comm_hook is None  # torch's contract: a comm hook gets plain sums
+        if grad is None:
+            view.zero_()
+        elif grad.is_sparse:
+            raise RuntimeError(f"minddp (rank {self.rank}): parameter '{self.names[index]}' has a "
+                               f"sparse gradient, which minddp does not reduce; use a dense "
+                               f"layer (e.g. nn.Embedding(sparse=False)).")
+        elif self.as_view and grad.data_ptr() == view.data_ptr():
+            if divide:
+                view.div_(self.world_size)  # already accumulated in place, in the bucket
+        else:
+            if divide:
+                torch.mul(grad, 1.0 / self.world_size, out=view)  # divide while copying
+            else:
+                view.copy_(grad)
+            if self.as_view:
+                param.grad = view
+        self._ready[index] = True
+        bucket.pending -= 1
+
+    def _launch_ready(self):
+        """Launch every bucket that is full and whose predecessors have all been launched."""
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            bucket = self.buckets[self._next]
+            if self.comm_hook is not None:
+                is_last = bucket.index == len(self.buckets) - 1
+                self._futures[bucket.index] = self.comm_hook(self.hook_state,
+                                                             GradBucket(bucket, is_last))
+            else:
+                self._futures[bucket.index] = self._reduce(bucket.buffer)
+            self._next += 1
+        if self._next == len(self.buckets) and self.find_unused and self._used_future is None:
+            self._used_future = self._reduce_used(self.used)
+
+    def _finalize(self):
+        """End of backward: wait for every bucket, write the means to .grad."""
+        self._armed, self._started = False, False
+        if self._next < len(self.buckets):
+            missing = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
+            self._unfinished = (
+                f"minddp (rank {self.rank}): the previous backward pass produced no gradient for "
+                f"{len(missing)} parameter(s): {', '.join(missing)}. Their buckets were never "
+                f"reduced, so gradients are not synchronised. If some parameters legitimately "
+                f"take no part in the loss, pass find_unused_parameters=True; otherwise make sure "
+                f"every forward output contributes to the loss.")
+            return
+        for bucket in self.buckets:
+            self._collect(bucket)
+        globally_used = None
+        if self.find_unused:
+            globally_used = self._wait(self._used_future, "the used-parameter map") > 0
+        for index, (bucket, i) in self._where.items():
+            if globally_used is not None and not globally_used[index]:
+                continue  # no rank used it: leave .grad as it was, as torch does
+            param, view = bucket.params[i], bucket.view(i)
+            if self.as_view:
+                if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                    param.grad = view
+            elif param.grad is None:
+                param.grad = view.clone()
+            else:
+                param.grad.copy_(view)
+        self.iterations += 1
+
+    def _collect(self, bucket):
+        """Wait for one bucket's reduction and leave the result in its buffer."""
+        what = f"bucket {bucket.index} ({len(bucket.params)} parameters, {bucket.nbytes} bytes)"
+        result = self._wait(self._futures[bucket.index], what)
+        if isinstance(result, (list, tuple)) and len(result) == 1:
+            result = result[0]
+        if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
+            got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
+                   else type(result).__name__)
+            raise RuntimeError(
+                f"minddp (rank {self.rank}): the communication hook returned {got} for "
+                f"{what}; it must return a Future whose value is the reduced bucket "
+                f"buffer ({bucket.buffer.numel()} elements, {bucket.buffer.dtype}).")
+        if result is not bucket.buffer:
+            bucket.buffer.copy_(result.reshape(-1))
+        self._futures[bucket.index] = None
+
+    def _wait(self, future, what):
+        try:
+            return future.wait()
+        except Exception as e:
+            via = "the communication hook" if self.comm_hook is not None else self.describe
+            raise RuntimeError(
+                f"minddp (rank {self.rank}): all-reduce of {what} with {via} failed: {e}. "
+                f"A peer may have died, or produced no gradient for a parameter in this bucket "
+                f"(see find_unused_parameters).") from e
+
+    def close(self):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,138 @@
+"""Run a function on every rank of a freshly spawned gloo world, as pytest's helper.
+
+    results = run_world(fn, world_size, *args, timeout=60)
+
+`fn(rank, world_size, *args)` runs in each child process with the default
+process group already initialised (gloo, over loopback) and one intra-op thread,
+so several ranks fit on a 2-core machine. It must be a module-level function
+(children are forked from a server that pickles it by name). The return values,
+one per rank, come back as a list.
+
+Failure handling is the point of this module:
+- a rank that raises sends its traceback; the others are killed and the test
+  fails with that traceback (the first failing rank's, naming the rank);
+- a world that does not finish within `timeout` seconds is killed and the test
+  fails with "hung", listing the ranks that had not finished.
+"""
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+
+_CTX = mp.get_context("forkserver")
+# The fork server imports torch once; every world is then forked from a process
+# that never ran a torch op, which is both fast and safe with OpenMP.
+_CTX.set_forkserver_preload(["torch", "torch.distributed"])
+
+
+class WorldFailed(AssertionError):
+    """A rank raised, died, or the world hung; the message says which."""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank, world_size, port, pg_timeout, fn, args, results):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world_size))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        value = fn(rank, world_size, *args)
+        # Plain pickle copies tensor data in-band; the queue's own pickler would
+        # pass a file descriptor that dies with this process.
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        results.put((rank, "error", (time.time(), traceback.format_exc())))
+        # Flush the queue, then exit without running the process group's
+        # destructor: it could block on peers that are themselves stuck.
+        results.close()
+        results.join_thread()
+        os._exit(1)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a peer may already be gone
+        pass
+
+
+def _failure_report(world_size, rank, error, results, grace=1.0):
+    """Describe a failed world, earliest failure first: the other ranks' errors
+    are usually consequences of it (a peer closed the connection)."""
+    errors = {rank: error}
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            r, status, value = results.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if status == "error":
+            errors[r] = value
+    order = sorted(errors, key=lambda r: errors[r][0])
+    first = order[0]
+    report = f"rank {first} of {world_size} failed:\n{errors[first][1]}"
+    for r in order[1:]:
+        last_line = errors[r][1].strip().splitlines()[-1]
+        report += f"\nthen rank {r} failed: {last_line}"
+    return report
+
+
+def run_world(fn, world_size, *args, timeout=60, pg_timeout=None):
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; return their results.
+
+    `pg_timeout` (seconds) is the process group's timeout inside the children;
+    by default a little under `timeout`, so collectives blocked on a dead peer
+    raise before the harness gives up on the world.
+    """
+    pg_timeout = pg_timeout or max(5, int(timeout * 0.6))
+    port = free_port()
+    results = _CTX.Queue()
+    procs = [_CTX.Process(target=_child, daemon=True,
+                          args=(r, world_size, port, pg_timeout, fn, args, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    values, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(values) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(values))
+                raise WorldFailed(f"world of {world_size} hung: ranks {missing} did not "
+                                  f"finish within {timeout}s")
+            try:
+                rank, status, value = results.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if r not in values and p.exitcode not in (None, 0)]
+                if dead:
+                    # Give a dying rank a moment to deliver its traceback.
+                    try:
+                        rank, status, value = results.get(timeout=2)
+                    except queue.Empty:
+                        raise WorldFailed(f"rank {dead[0]} died with exit code "
+                                          f"{procs[dead[0]].exitcode} and no traceback")
+                else:
+                    continue
+            if status == "error":
+                raise WorldFailed(_failure_report(world_size, rank, value, results))
+            values[rank] = pickle.loads(value)
+        for p in procs:
+            p.join(timeout=10)
+        return [values[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create the project's virtual environment in $1 and install minddp into it.
+#
+# Where `python3` can already import torch (the GPU machine: torch with CUDA,
+# no network), the venv reuses that torch through a .pth file and installs
+# offline. Elsewhere it installs the CPU build torch==2.13.0 (a wheel on the
+# machine's disk) and the few test/bench dependencies from PyPI. Nothing here
+# may pull a CUDA build of torch.
+set -euo pipefail
+VENV=${1:-.venv}
+PYTHON=${PYTHON:-python3}
+
+if "$PYTHON" -c "import torch" 2>/dev/null; then
+    echo "make_venv: reusing the torch that $PYTHON imports (offline install)"
+    "$PYTHON" -m venv --without-pip "$VENV" 2>/dev/null || "$PYTHON" -m venv "$VENV"
+    site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    "$PYTHON" -c "import site, sys; print('\n'.join(p for p in sys.path if p.endswith('-packages')))" \
+        > "$site/_minddp_parent.pth"
+    "$VENV/bin/python" -m pip install --no-build-isolation --no-deps --no-index -e . 
+else
+    echo "make_venv: installing torch==2.13.0 (CPU build) and test dependencies"
+    "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q torch==2.13.0 numpy matplotlib pytest ninja setuptools wheel
+    "$VENV/bin/python" -m pip install --no-build-isolation --no-deps -e .
+fi
+"$VENV/bin/python" -c "import minddp, torch; print('make_venv: minddp ready with torch', torch.__version__)"
