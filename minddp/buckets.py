@@ -3,11 +3,11 @@
 Gradients become ready roughly in reverse registration order (the last layer's
 first), so buckets are filled in that order: bucket 0 holds the last
 parameters and is the first one that can be sent while backward goes on.
-The first bucket is capped small (1 MiB, as torch does) so communication
+The first bucket is capped small (1 MiB, as torch does, or the cap if smaller) so communication
 starts early; the others at `bucket_cap_mb`. A bucket never mixes dtypes or
 devices, because it is one flat tensor.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +23,6 @@ class Bucket:
     offsets: list         # element offset of each parameter in the buffer
     buffer: torch.Tensor  # flat, 1-D, dtype and device of its parameters
     pending: int = 0      # parameters not ready yet in this iteration
-    ready: list = field(default_factory=list)
 
     def view(self, i):
         """The slice of the buffer that holds parameter i's gradient, shaped like it."""
@@ -42,7 +41,9 @@ def assign(params, cap_bytes, first_cap_bytes=FIRST_BUCKET_BYTES):
     lists of indices: bucket 0 first, each bucket's indices in the order their
     gradients are expected to become ready. A bucket is closed once it reaches
     its cap, so a single parameter larger than the cap gets a bucket of its own.
+    The first bucket is never capped above `cap_bytes`.
     """
+    first_cap_bytes = min(first_cap_bytes, cap_bytes)
     closed, open_buckets = [], {}
     for i in reversed(range(len(params))):
         p = params[i]

@@ -128,10 +128,6 @@ class DistributedDataParallel(nn.Module):
         if compression is not None:
             raise NotImplementedError(f"{where}: compression={compression!r} is not implemented "
                                       f"yet in this version; use compression=None.")
-        for n, p in named:
-            if not p.is_floating_point() and not p.is_complex():
-                raise ValueError(f"{where}: parameter '{n}' has dtype {p.dtype} and requires "
-                                 f"grad; only floating-point parameters can have gradients.")
 
     # -- forward -----------------------------------------------------------------
     def forward(self, *inputs, **kwargs):

@@ -1,0 +1,97 @@
+"""The reducer's pieces: bucket layout, gradients as bucket views, torch's PowerSGD hook."""
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import minddp
+from minddp import buckets
+from dist_harness import run_world
+from models import DeepNet, batch
+
+MiB = 1024 * 1024
+
+
+def _params(*specs):
+    return [torch.zeros(n, dtype=dtype) for n, dtype in specs]
+
+
+def test_buckets_fill_in_reverse_with_small_first_bucket():
+    # 6 parameters of 0.5 MiB: the 1 MiB first bucket takes the last two,
+    # then 2 MiB buckets take the rest, newest first.
+    params = _params(*[(MiB // 8, torch.float32)] * 6)
+    assert buckets.assign(params, cap_bytes=2 * MiB) == [[5, 4], [3, 2, 1, 0]]
+
+
+def test_buckets_never_mix_dtypes_and_big_params_stand_alone():
+    params = _params((10, torch.float32), (10, torch.float64), (MiB, torch.float32),
+                     (10, torch.float64))
+    layout = buckets.assign(params, cap_bytes=MiB, first_cap_bytes=MiB)
+    assert sorted(map(sorted, layout)) == [[0], [1, 3], [2]]
+    built = buckets.build(params, list("abcd"), cap_bytes=MiB, first_cap_bytes=MiB)
+    for bucket in built:
+        assert len({p.dtype for p in bucket.params}) == 1
+        assert bucket.buffer.dtype == bucket.params[0].dtype
+        assert bucket.buffer.numel() == sum(p.numel() for p in bucket.params)
+
+
+def _grads_are_views(rank, world_size):
+    ddp = minddp.DDP(DeepNet(), bucket_cap_mb=0.002, gradient_as_bucket_view=True)
+    for step in range(2):
+        ddp(*batch("deep", rank, step)).sum().backward()
+    spans = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.nbytes) for b in ddp.reducer.buckets]
+    assert len(spans) > 3, "the tiny cap should give several buckets"
+    for name, p in ddp.module.named_parameters():
+        ptr = p.grad.data_ptr()
+        assert any(lo <= ptr < hi for lo, hi in spans), f"{name}.grad is not in a bucket"
+    return True
+
+
+def test_gradient_as_bucket_view_aliases_the_buckets():
+    assert run_world(_grads_are_views, 2) == [True, True]
+
+
+def _powersgd_both(rank, world_size):
+    torch.manual_seed(0)
+    model = DeepNet()
+    results = []
+    for wrap in (TorchDDP, minddp.DDP):
+        ddp = wrap(copy.deepcopy(model))
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                       start_powerSGD_iter=2, random_seed=7)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(4):  # two plain all-reduce steps, then compressed ones
+            opt.zero_grad()
+            ddp(*batch("deep", rank, step)).square().mean().backward()
+            opt.step()
+        results.append(torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()]))
+    return results
+
+
+def test_torch_powersgd_hook_unchanged():
+    (ref0, ours0), (ref1, ours1) = run_world(_powersgd_both, 2)
+    assert torch.equal(ours0, ours1), "ranks differ"
+    torch.testing.assert_close(ours0, ref0, rtol=1e-5, atol=1e-6)
+
+
+def _never_used(rank, world_size):
+    class WithSpare(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.spare = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    ddp = minddp.DDP(WithSpare(), find_unused_parameters=True)
+    for step in range(2):
+        ddp(torch.randn(3, 4)).sum().backward()
+    return ddp.module.spare.weight.grad is None, ddp.module.used.weight.grad is not None
+
+
+def test_parameter_no_rank_used_keeps_no_grad():
+    # torch leaves .grad of a parameter no rank used untouched (None here).
+    assert run_world(_never_used, 2) == [(True, True), (True, True)]
