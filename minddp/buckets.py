@@ -3,9 +3,9 @@
 Gradients become ready roughly in reverse registration order (the last layer's
 first), so buckets are filled in that order: bucket 0 holds the last
 parameters and is the first one that can be sent while backward goes on.
-The first bucket is capped small (1 MiB, as torch does, or the cap if smaller) so communication
-starts early; the others at `bucket_cap_mb`. A bucket never mixes dtypes or
-devices, because it is one flat tensor.
+The first bucket is capped small (1 MiB as in torch, or the cap if smaller)
+so communication starts early; the others at `bucket_cap_mb`. A bucket never
+mixes dtypes or devices, because it is one flat tensor.
 """
 from dataclasses import dataclass
 
