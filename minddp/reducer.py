@@ -143,16 +143,17 @@ class Reducer:
     def _launch_ready(self):
         """Launch every bucket that is full and whose predecessors have all been launched."""
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            bucket = self.buckets[self._next]
-            if self.comm_hook is not None:
-                is_last = bucket.index == len(self.buckets) - 1
-                self._futures[bucket.index] = self.comm_hook(self.hook_state,
-                                                             GradBucket(bucket, is_last))
-            else:
-                self._futures[bucket.index] = self._reduce(bucket.buffer)
+            self._futures[self._next] = self._launch(self.buckets[self._next])
             self._next += 1
         if self._next == len(self.buckets) and self.find_unused and self._used_future is None:
             self._used_future = self._reduce_used(self.used)
+
+    def _launch(self, bucket):
+        """Start reducing one bucket: the comm hook if one is set, else our all-reduce."""
+        if self.comm_hook is None:
+            return self._reduce(bucket.buffer)
+        is_last = bucket.index == len(self.buckets) - 1
+        return self.comm_hook(self.hook_state, GradBucket(bucket, is_last))
 
     def _finalize(self):
         """End of backward: wait for every bucket, write the means to .grad."""
@@ -210,6 +211,15 @@ class Reducer:
                 f"minddp (rank {self.rank}): all-reduce of {what} with {via} failed: {e}. "
                 f"A peer may have died, or produced no gradient for a parameter in this bucket "
                 f"(see find_unused_parameters).") from e
+
+    def communicate_only(self):
+        """Reduce every bucket's current contents the way backward does, and wait.
+
+        `.grad` is not touched. Every rank must call it; benchmarks use it to
+        time communication alone (no backward to hide behind).
+        """
+        for future in [self._launch(bucket) for bucket in self.buckets]:
+            future.wait()
 
     def close(self):
         for handle in self._handles:

@@ -1,0 +1,168 @@
+"""minddp next to torch DDP, step by step on the same workloads: the main benchmark.
+
+    torchrun --nproc_per_node=2 benchmarks/compare.py                  # quick default mix
+    torchrun --nproc_per_node=2 benchmarks/compare.py --workloads mlp --steps 30
+    torchrun --nproc_per_node=1 benchmarks/compare.py --workloads transformer   # wrapper overhead
+
+Every configuration (rows below) wraps its own copy of the same model, and
+they all run interleaved: step s of every configuration, in an order that
+rotates, before step s+1 of any. A step is zero_grad, forward, loss, backward,
+SGD step; its time is the slowest rank's. Figures are medians over the measured
+steps; ratios and differences are medians of per-step pairs.
+
+Columns: step ms, samples/s (all ranks), ratio to torch_ddp, exposed
+communication (step - no_comm: what backward failed to hide), comm ms (the
+same bucket reductions run alone), hidden share (1 - exposed / comm), peak
+memory (CPU: process peak RSS, shared by all rows; CUDA: max allocated during
+the row's steps), bytes each rank sends per step (alpha-beta estimate).
+
+Writes results/compare.json ({"rows": [...]}) and results/compare.png.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from configs import CONFIG_NAMES, build_configs  # noqa: E402
+from plots import plot_compare  # noqa: E402
+from measure import (Progress, format_table, init_distributed, median,  # noqa: E402
+                     pairwise_difference, pairwise_ratio, peak_rss_mb, slowest_rank, sync)
+from workloads import WORKLOADS  # noqa: E402
+
+COLUMNS = [("workload", "workload", "{}"), ("name", "config", "{}"),
+           ("step_ms", "step ms", "{:.1f}"), ("samples_per_s", "samples/s", "{:.1f}"),
+           ("ratio_to_torch_ddp", "vs torch_ddp", "{:.3f}"),
+           ("exposed_comm_ms", "exposed ms", "{:.1f}"), ("comm_ms", "comm ms", "{:.1f}"),
+           ("hidden_share", "hidden", "{:.0%}"), ("peak_mem_mb", "peak MB", "{:.0f}"),
+           ("bytes_sent_mb", "sent MB/step", "{:.1f}"), ("absent", "absent", "{}")]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workloads", default="transformer,mlp,convnet",
+                   help=f"comma-separated, from {sorted(WORKLOADS)}")
+    p.add_argument("--configs", default=",".join(CONFIG_NAMES),
+                   help="comma-separated rows to run (default: all)")
+    p.add_argument("--steps", type=int, default=12, help="measured steps per configuration")
+    p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
+    p.add_argument("--batch-size", type=int, default=None, help="per rank (default: workload's)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--out", default="results", help="folder for compare.json and compare.png")
+    return p.parse_args(argv)
+
+
+def timed(fn, device):
+    """Milliseconds `fn()` takes, started on every rank together."""
+    sync(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def train_step(config, workload, inputs, target):
+    config.optimizer.zero_grad(set_to_none=False)
+    workload.loss(config.model(*inputs), target).backward()
+    config.optimizer.step()
+
+
+def run_workload(workload, args, rank, world_size, device, names):
+    batch_size = args.batch_size or workload.batch_size
+    configs = build_configs(workload, names, device, args.bucket_cap_mb)
+    live = [c for c in configs if c.absent is None]
+    steps, comm = {c.name: [] for c in live}, {c.name: [] for c in live}
+    mem = {c.name: 0.0 for c in live}
+    bar = Progress((args.warmup + args.steps) * len(live), f"{workload.name:<11}", rank == 0)
+    for step in range(args.warmup + args.steps):
+        inputs, target = workload.batch(rank, step, batch_size)
+        inputs = tuple(t.to(device) for t in inputs)
+        target = target.to(device)
+        order = live[step % len(live):] + live[:step % len(live)]  # rotate who goes first
+        for config in order:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            ms = timed(lambda: train_step(config, workload, inputs, target), device)
+            comm_ms = timed(config.communicate, device) if config.communicate else None
+            if step >= args.warmup:
+                steps[config.name].append(ms)
+                if comm_ms is not None:
+                    comm[config.name].append(comm_ms)
+                if device.type == "cuda":
+                    mem[config.name] = max(mem[config.name],
+                                           torch.cuda.max_memory_allocated(device) / 2**20)
+            bar.step(config.name)
+    steps = {name: slowest_rank(times) for name, times in steps.items()}
+    comm = {name: slowest_rank(times) if times else [] for name, times in comm.items()}
+    rows = []
+    for config in configs:
+        row = {"workload": workload.name, "name": config.name, "world_size": world_size,
+               "batch_size": batch_size, "device": device.type, "absent": config.absent}
+        if config.absent is None:
+            row.update(summarise(config, steps, comm, world_size * batch_size, device))
+            row["peak_mem_mb"] = mem[config.name] if device.type == "cuda" else peak_rss_mb()
+        rows.append(row)
+    return rows
+
+
+def summarise(config, steps, comm, samples, device):
+    mine = steps[config.name]
+    row = {"step_ms": median(mine), "samples_per_s": samples / median(mine) * 1e3,
+           "steps_ms": mine, "bytes_sent_mb": config.bytes_sent / 2**20}
+    if "torch_ddp" in steps:
+        row["ratio_to_torch_ddp"] = pairwise_ratio(mine, steps["torch_ddp"])
+    if "no_comm" in steps and config.name != "no_comm":
+        exposed = pairwise_difference(mine, steps["no_comm"])
+        row["exposed_comm_ms"] = exposed
+        if comm.get(config.name):
+            row["comm_ms"] = median(comm[config.name])
+            row["hidden_share"] = min(1.0, max(0.0, 1 - exposed / row["comm_ms"]))
+    return row
+
+
+def run(args, rank, world_size, device):
+    """Run the selected workloads in the current process group; rank 0 writes the
+    results and returns the rows (the other ranks return them too, unwritten)."""
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIG_NAMES]
+    if unknown:
+        raise SystemExit(f"unknown configurations {unknown}; choose from {CONFIG_NAMES}")
+    workloads = args.workloads.split(",")
+    for name in workloads:
+        if name not in WORKLOADS:
+            raise SystemExit(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
+    if rank == 0:
+        print(f"compare.py: world size {world_size}, device {device}, backend "
+              f"{dist.get_backend()}, {torch.get_num_threads()} threads per rank, "
+              f"{args.warmup} warm-up + {args.steps} measured steps, interleaved; "
+              f"torch {torch.__version__}", flush=True)
+    rows = []
+    for name in workloads:
+        rows += run_workload(WORKLOADS[name], args, rank, world_size, device, names)
+    if rank == 0:
+        print(format_table(rows, COLUMNS))
+        os.makedirs(args.out, exist_ok=True)
+        meta = {"world_size": world_size, "device": str(device), "steps": args.steps,
+                "warmup": args.warmup, "torch": torch.__version__, "argv": sys.argv[1:]}
+        with open(os.path.join(args.out, "compare.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        png = plot_compare(rows, os.path.join(args.out, "compare.png"))
+        print(f"wrote {args.out}/compare.json and {png}")
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world_size, device = init_distributed(args.device)
+    run(args, rank, world_size, device)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The configurations compare.py puts side by side, each a wrapped copy of one model.
+
+A configuration that this build of minddp cannot run (an algorithm or a
+compression that has not landed) is reported as absent, with the reason,
+instead of failing the benchmark.
+"""
+import copy
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import minddp
+from minddp import buckets
+
+# name -> how to build it: ("bare",), ("torch", hook) or ("minddp", algorithm, compression)
+CONFIGS = {
+    "no_comm": ("bare",),
+    "torch_ddp": ("torch", None),
+    "torch_ddp_fp16": ("torch", default_hooks.fp16_compress_hook),
+    "minddp_native": ("minddp", "native", None),
+    "minddp_ring": ("minddp", "ring", None),
+    "minddp_tree": ("minddp", "tree", None),
+    "minddp_auto": ("minddp", "auto", None),
+    "minddp_ring_fp16": ("minddp", "ring", "fp16"),
+}
+CONFIG_NAMES = list(CONFIGS)
+
+
+@dataclasses.dataclass
+class Config:
+    name: str
+    model: Optional[torch.nn.Module] = None
+    optimizer: Optional[torch.optim.Optimizer] = None
+    communicate: Optional[Callable[[], None]] = None  # the step's bucket reductions alone
+    bytes_sent: float = 0.0                            # per rank per step (estimate)
+    absent: Optional[str] = None                       # why this build cannot run it
+
+
+def bytes_sent_per_rank(bucket_bytes, world_size, wire_ratio=1.0):
+    """Ring-style all-reduce sends 2(p-1)/p of each bucket per rank."""
+    return sum(bucket_bytes) * wire_ratio * 2 * (world_size - 1) / world_size
+
+
+def _bucket_bytes(model, cap_mb):
+    params = [p for p in model.parameters() if p.requires_grad]
+    layout = buckets.assign(params, int(cap_mb * 2**20))
+    return [sum(params[i].numel() * params[i].element_size() for i in b) for b in layout]
+
+
+def _torch_communicate(bucket_bytes, device, hook):
+    """What torch DDP's reduction costs alone: the same bucket sizes, the backend's
+    all-reduce, cast to fp16 and back as fp16_compress_hook does."""
+    flats = [torch.zeros(n // 4, device=device) for n in bucket_bytes]
+    world = dist.get_world_size()
+
+    def communicate():
+        works = []
+        for flat in flats:
+            wire = flat.to(torch.float16).div_(world) if hook is not None else flat
+            works.append((dist.all_reduce(wire, async_op=True), flat, wire))
+        for work, flat, wire in works:
+            work.wait()
+            if wire is not flat:
+                flat.copy_(wire)
+    return communicate
+
+
+def build_configs(workload, names, device, cap_mb):
+    """One Config per name, each with its own copy of the workload's model (seed 0)."""
+    torch.manual_seed(0)
+    base = workload.build().to(device)
+    sizes = _bucket_bytes(base, cap_mb)
+    world = dist.get_world_size()
+    device_ids = [device] if device.type == "cuda" else None
+    configs = []
+    for name in names:
+        kind, *how = CONFIGS[name]
+        model = copy.deepcopy(base)
+        config = Config(name)
+        if kind == "bare":
+            config.model = model
+        elif kind == "torch":
+            config.model = TorchDDP(model, device_ids=device_ids, bucket_cap_mb=cap_mb)
+            if how[0] is not None:
+                config.model.register_comm_hook(None, how[0])
+            config.communicate = _torch_communicate(sizes, device, how[0])
+            config.bytes_sent = bytes_sent_per_rank(sizes, world, 0.5 if how[0] else 1.0)
+        else:
+            algorithm, compression = how
+            try:
+                config.model = minddp.DDP(model, device_ids=device_ids, bucket_cap_mb=cap_mb,
+                                          algorithm=algorithm, compression=compression)
+            except NotImplementedError as e:
+                config.absent = f"{algorithm}/{compression or 'fp32'}: not implemented"
+                configs.append(config)
+                continue
+            config.communicate = config.model.reducer.communicate_only
+            config.bytes_sent = bytes_sent_per_rank(sizes, world, 0.5 if compression else 1.0)
+        config.optimizer = torch.optim.SGD(config.model.parameters(), lr=1e-3)
+        configs.append(config)
+    return configs

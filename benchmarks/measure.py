@@ -1,0 +1,106 @@
+"""What every benchmark script needs: start-up, timing statistics, progress, tables.
+
+Statistics follow one rule: configurations are measured interleaved, step by
+step, and a ratio is the median of per-step ratios, so a slow patch of the
+machine (another process, a frequency drop) slows both sides of a ratio.
+"""
+import datetime
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed(device="cpu"):
+    """Join the torchrun world; return (rank, world_size, device).
+
+    On CPU the cores are split between the local ranks, so N ranks on N cores
+    do not fight over threads. On CUDA a rank gets its own GPU and NCCL when
+    there are enough GPUs, and otherwise shares GPU 0 through gloo (NCCL
+    cannot put two ranks on one GPU).
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch has no CUDA device here")
+        own_gpu = torch.cuda.device_count() >= local_world
+        dev = torch.device("cuda", local_rank if own_gpu else 0)
+        torch.cuda.set_device(dev)
+        backend = "nccl" if own_gpu and dist.is_nccl_available() else "gloo"
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def pairwise_ratio(a, b):
+    """Median over steps of a[i] / b[i]: fair when a and b were timed interleaved."""
+    return median([x / y for x, y in zip(a, b) if y > 0])
+
+
+def pairwise_difference(a, b):
+    return median([x - y for x, y in zip(a, b)])
+
+
+def slowest_rank(times):
+    """Per-step times as the slowest rank saw them (a step ends when every rank is done)."""
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def peak_rss_mb():
+    """This process's peak resident memory (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Progress:
+    """Progress on stderr, from rank 0 only: a redrawn bar on a terminal, and a
+    line per tenth of the work when stderr is a file or a pipe (CI logs)."""
+
+    def __init__(self, total, label, enabled=True, width=30):
+        self.total, self.label, self.enabled, self.width = total, label, enabled, width
+        self.done, self.start = 0, time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def step(self, note=""):
+        self.done += 1
+        tenth = self.done * 10 // max(1, self.total) != (self.done - 1) * 10 // max(1, self.total)
+        if not self.enabled or not (self.tty or tenth):
+            return
+        filled = self.width * self.done // max(1, self.total)
+        elapsed = time.monotonic() - self.start
+        eta = elapsed / self.done * (self.total - self.done)
+        line = (f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] "
+                f"{self.done}/{self.total} {elapsed:5.0f}s eta {eta:4.0f}s {note:<24}")
+        end = "\n" if (self.done == self.total or not self.tty) else ""
+        sys.stderr.write(("\r" if self.tty else "") + line + end)
+        sys.stderr.flush()
+
+
+def format_table(rows, columns):
+    """Render dict rows as an aligned text table; `columns` is [(key, header, format)]."""
+    cells = [[header for _, header, _ in columns]]
+    for row in rows:
+        cells.append([("-" if row.get(key) is None else fmt.format(row[key]))
+                      for key, _, fmt in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
