@@ -12,7 +12,8 @@ steps; ratios and differences are medians of per-step pairs.
 
 Columns: step ms, samples/s (all ranks), ratio to torch_ddp, exposed
 communication (step - no_comm: what backward failed to hide), comm ms (the
-same bucket reductions run alone), hidden share (1 - exposed / comm), peak
+same bucket reductions run alone), hidden share (1 - exposed / comm), with
+--timeline the traced share (communication time inside backward spans), peak
 memory (CPU: process peak RSS, shared by all rows; CUDA: max allocated during
 the row's steps), bytes each rank sends per step (alpha-beta estimate).
 
@@ -34,11 +35,14 @@ from measure import (Progress, format_table, init_distributed, median,  # noqa: 
                      pairwise_difference, pairwise_ratio, peak_rss_mb, slowest_rank, sync)
 from workloads import WORKLOADS  # noqa: E402
 
+from minddp.timeline import hidden_share  # noqa: E402
+
 COLUMNS = [("workload", "workload", "{}"), ("name", "config", "{}"),
            ("step_ms", "step ms", "{:.1f}"), ("samples_per_s", "samples/s", "{:.1f}"),
            ("ratio_to_torch_ddp", "vs torch_ddp", "{:.3f}"),
            ("exposed_comm_ms", "exposed ms", "{:.1f}"), ("comm_ms", "comm ms", "{:.1f}"),
-           ("hidden_share", "hidden", "{:.0%}"), ("peak_mem_mb", "peak MB", "{:.0f}"),
+           ("hidden_share", "hidden", "{:.0%}"), ("trace_hidden_share", "traced", "{:.0%}"),
+           ("peak_mem_mb", "peak MB", "{:.0f}"),
            ("bytes_sent_mb", "sent MB/step", "{:.1f}"), ("absent", "absent", "{}")]
 
 
@@ -54,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--bucket-cap-mb", type=float, default=25)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", default="results", help="folder for compare.json and compare.png")
+    p.add_argument("--timeline", action="store_true",
+                   help="record Chrome traces of the minddp rows (results/trace.*.json) and "
+                        "report the overlap they show")
     return p.parse_args(argv)
 
 
@@ -75,7 +82,8 @@ def train_step(config, workload, inputs, target):
 
 def run_workload(workload, args, rank, world_size, device, names):
     batch_size = args.batch_size or workload.batch_size
-    configs = build_configs(workload, names, device, args.bucket_cap_mb)
+    trace = os.path.join(args.out, "trace") if args.timeline else None
+    configs = build_configs(workload, names, device, args.bucket_cap_mb, trace)
     live = [c for c in configs if c.absent is None]
     steps, comm = {c.name: [] for c in live}, {c.name: [] for c in live}
     mem = {c.name: 0.0 for c in live}
@@ -107,8 +115,21 @@ def run_workload(workload, args, rank, world_size, device, names):
         if config.absent is None:
             row.update(summarise(config, steps, comm, world_size * batch_size, device))
             row["peak_mem_mb"] = mem[config.name] if device.type == "cuda" else peak_rss_mb()
+            row.update(trace_figures(config, args.warmup))
         rows.append(row)
     return rows
+
+
+def trace_figures(config, warmup):
+    """Write the row's trace (if recording) and read the overlap back from it,
+    skipping the warm-up steps."""
+    timeline = getattr(config.model, "timeline", None)
+    if timeline is None:
+        return {}
+    backward = sorted(e["ts"] for e in timeline.events if e["name"] == "backward")
+    since = backward[warmup] if len(backward) > warmup else 0.0
+    measured = [e for e in timeline.events if e["ts"] >= since]
+    return {"trace": timeline.save(), "trace_hidden_share": hidden_share(measured)}
 
 
 def summarise(config, steps, comm, samples, device):

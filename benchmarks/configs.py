@@ -69,8 +69,9 @@ def _torch_communicate(bucket_bytes, device, hook):
     return communicate
 
 
-def build_configs(workload, names, device, cap_mb):
-    """One Config per name, each with its own copy of the workload's model (seed 0)."""
+def build_configs(workload, names, device, cap_mb, timeline=None):
+    """One Config per name, each with its own copy of the workload's model (seed 0).
+    With `timeline` (a path prefix) every minddp row records a Chrome trace."""
     torch.manual_seed(0)
     base = workload.build().to(device)
     sizes = _bucket_bytes(base, cap_mb)
@@ -92,8 +93,10 @@ def build_configs(workload, names, device, cap_mb):
         else:
             algorithm, compression = how
             try:
+                trace = f"{timeline}.{workload.name}.{name}" if timeline else None
                 config.model = minddp.DDP(model, device_ids=device_ids, bucket_cap_mb=cap_mb,
-                                          algorithm=algorithm, compression=compression)
+                                          algorithm=algorithm, compression=compression,
+                                          timeline=trace)
             except NotImplementedError as e:
                 config.absent = f"{algorithm}/{compression or 'fp32'}: not implemented"
                 configs.append(config)

@@ -19,31 +19,35 @@ import threading
 
 import torch
 
+from minddp.timeline import now_us, profiled
+
 _STOP = object()
 
 
 class CommEngine:
     """Runs `job(*args)` callables on a background thread, in submission order."""
 
-    def __init__(self, group, name="minddp-comm"):
+    def __init__(self, group, name="minddp-comm", timeline=None):
         self.group = group
+        self.timeline = timeline  # records each job's span, see timeline.py
         self._jobs = queue.SimpleQueue()
         self._error = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job, *args):
+    def submit(self, job, *args, label="job"):
         """Queue `job(*args)`; return a Future of its result.
 
         A job may return a Future itself (an asynchronous backend operation);
-        the engine's future then completes when that one does.
+        the engine's future then completes when that one does. `label` names
+        the job in the timeline and in torch profiles.
         """
         fut = torch.futures.Future()
         if self._error is not None:
             fut.set_exception(RuntimeError(f"minddp: communication engine stopped after an "
                                            f"earlier error: {self._error}"))
         else:
-            self._jobs.put((job, args, fut))
+            self._jobs.put((job, args, fut, label))
         return fut
 
     def close(self, timeout=5.0):
@@ -57,26 +61,38 @@ class CommEngine:
             item = self._jobs.get()
             if item is _STOP:
                 return
-            job, args, fut = item
+            job, args, fut, label = item
             if self._error is not None:
                 fut.set_exception(RuntimeError(f"minddp: communication engine stopped after "
                                                f"an earlier error: {self._error}"))
                 continue
+            start = now_us()
             try:
-                result = job(*args)
+                with profiled(f"minddp.{label}"):
+                    result = job(*args)
             except Exception as e:  # noqa: BLE001 - handed to the waiting thread
                 self._error = e
                 fut.set_exception(e)
                 continue
             # Backend work returns torch._C.Future, the base of torch.futures.Future.
             if isinstance(result, torch._C.Future):
-                result.add_done_callback(lambda done, fut=fut: self._forward(done, fut))
+                result.add_done_callback(
+                    lambda done, fut=fut, job=(job, label, start): self._forward(done, fut, job))
             else:
+                self._record(job, label, start)
                 fut.set_result(result)
 
-    def _forward(self, done, fut):
+    def _forward(self, done, fut, job):
         try:
-            fut.set_result(done.value())
+            value = done.value()
         except Exception as e:  # noqa: BLE001 - the backend's error, passed on
             self._error = e
             fut.set_exception(e)
+            return
+        self._record(*job)
+        fut.set_result(value)
+
+    def _record(self, job, label, start):
+        if self.timeline is not None:
+            self.timeline.span(label, start, now_us(), thread="comm",
+                               job=f"{getattr(job, '__module__', '')}.{job.__name__}")

@@ -15,6 +15,7 @@ from minddp import algorithms
 from minddp.comm import CommEngine
 from minddp.model_sync import broadcast_from_first, check_same_model
 from minddp.reducer import Reducer
+from minddp.timeline import from_environment
 
 COMPRESSIONS = (None, "fp16", "bf16")
 
@@ -37,13 +38,15 @@ class DistributedDataParallel(nn.Module):
     Every rank of `process_group` (default: the world) must construct it with
     the same model and arguments. Keywords mean what they mean in torch's DDP;
     `algorithm` picks the all-reduce ("native" is the backend's own, "auto"
-    chooses), `compression` sends gradients as fp16/bf16.
+    chooses), `compression` sends gradients as fp16/bf16. `timeout` bounds the
+    wait for a peer (default: the process group's); `timeline` is a path prefix
+    for a Chrome trace of this rank's buckets (default: $MINDDP_TIMELINE).
     """
 
     def __init__(self, module, device_ids=None, output_device=None, broadcast_buffers=True,
                  process_group=None, bucket_cap_mb=25, find_unused_parameters=False,
                  gradient_as_bucket_view=False, algorithm="auto", compression=None,
-                 timeout=None):
+                 timeout=None, timeline=None):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("minddp: the default process group is not initialised; call "
@@ -82,17 +85,22 @@ class DistributedDataParallel(nn.Module):
         self.comm_group = dist.new_group(dist.get_process_group_ranks(group),
                                          backend=dist.get_backend(group), timeout=timeout,
                                          use_local_synchronization=group is not dist.group.WORLD)
-        self.engine = CommEngine(self.comm_group)
+        # A Chrome trace of this rank's buckets (timeline.py), if asked for.
+        self.timeline = from_environment(rank, timeline)
+        self.engine = CommEngine(self.comm_group, timeline=self.timeline)
         impl = algorithms.resolve(algorithm)
         job = getattr(impl, "all_reduce_async", impl.all_reduce)
         used_job = algorithms.ALGORITHMS["native"].all_reduce_async
         self.reducer = Reducer(
             named, world_size=self.world_size, rank=rank,
             bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024),
-            reduce=lambda buffer: self.engine.submit(job, buffer, self.comm_group),
-            reduce_used=lambda used: self.engine.submit(used_job, used, self.comm_group),
+            reduce=lambda buffer, label: self.engine.submit(job, buffer, self.comm_group,
+                                                            label=label),
+            reduce_used=lambda used, label: self.engine.submit(used_job, used, self.comm_group,
+                                                               label=label),
             find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view, describe=f"algorithm {algorithm!r}")
+            gradient_as_bucket_view=gradient_as_bucket_view, describe=f"algorithm {algorithm!r}",
+            timeline=self.timeline)
 
     @staticmethod
     def _check_arguments(module, named, rank, device_ids, bucket_cap_mb, algorithm, compression):

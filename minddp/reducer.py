@@ -20,6 +20,7 @@ import torch.distributed as dist
 from minddp import buckets as bucketing
 from minddp.grad_bucket import GradBucket
 from minddp.graph import reached_parameters
+from minddp.timeline import now_us, profiled
 
 
 class Reducer:
@@ -32,7 +33,7 @@ class Reducer:
 
     def __init__(self, named_params, *, world_size, rank, bucket_cap_bytes, reduce, reduce_used,
                  find_unused_parameters=False, gradient_as_bucket_view=False, describe="native",
-                 first_bucket_bytes=bucketing.FIRST_BUCKET_BYTES):
+                 first_bucket_bytes=bucketing.FIRST_BUCKET_BYTES, timeline=None):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.world_size, self.rank = world_size, rank
@@ -40,6 +41,7 @@ class Reducer:
         self.as_view = gradient_as_bucket_view
         self.describe = describe  # the algorithm, for error messages
         self._reduce, self._reduce_used = reduce, reduce_used
+        self.timeline = timeline  # see timeline.py; None records nothing
         self.buckets = bucketing.build(self.params, self.names, bucket_cap_bytes,
                                        first_bucket_bytes)
         self._where = {}  # parameter index -> (bucket, position in bucket)
@@ -92,6 +94,7 @@ class Reducer:
 
     def _start_backward(self):
         self._started = True
+        self._backward_start = now_us()
         self._ready = [False] * len(self.params)
         self._next = 0
         self._futures = [None] * len(self.buckets)
@@ -139,6 +142,8 @@ class Reducer:
                 param.grad = view
         self._ready[index] = True
         bucket.pending -= 1
+        if bucket.pending == 0 and self.timeline is not None:
+            self.timeline.instant(f"ready b{bucket.index}", bytes=bucket.nbytes)
 
     def _launch_ready(self):
         """Launch every bucket that is full and whose predecessors have all been launched."""
@@ -146,17 +151,26 @@ class Reducer:
             self._futures[self._next] = self._launch(self.buckets[self._next])
             self._next += 1
         if self._next == len(self.buckets) and self.find_unused and self._used_future is None:
-            self._used_future = self._reduce_used(self.used)
+            self._used_future = self._reduce_used(self.used, "used-map")
 
     def _launch(self, bucket):
         """Start reducing one bucket: the comm hook if one is set, else our all-reduce."""
         if self.comm_hook is None:
-            return self._reduce(bucket.buffer)
+            return self._reduce(bucket.buffer, f"comm b{bucket.index}")
         is_last = bucket.index == len(self.buckets) - 1
         return self.comm_hook(self.hook_state, GradBucket(bucket, is_last))
 
     def _finalize(self):
         """End of backward: wait for every bucket, write the means to .grad."""
+        start = now_us()
+        if self.timeline is not None:
+            self.timeline.span("backward", self._backward_start, start)
+        with profiled("minddp.finalize"):
+            self._write_back()
+        if self.timeline is not None:
+            self.timeline.span("finalize", start, now_us())
+
+    def _write_back(self):
         self._armed, self._started = False, False
         if self._next < len(self.buckets):
             missing = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]

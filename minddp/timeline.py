@@ -1,0 +1,106 @@
+"""A per-rank timeline of one wrapper's work, written as a Chrome trace.
+
+    MINDDP_TIMELINE=trace.json torchrun ... train.py   # or DDP(..., timeline="trace.json")
+
+Each rank writes `trace.json.rank<R>.json` (open it in https://ui.perfetto.dev or
+chrome://tracing; `merge` joins the ranks into one file). What is recorded, per
+iteration:
+
+    backward      first gradient hook -> end of backward (the autograd callback)
+    ready b<i>    the moment bucket i's last gradient arrived (an instant)
+    comm b<i>     bucket i's all-reduce, from when the communication thread
+                  starts it to when its result is there (thread "comm")
+    finalize      waiting for the buckets and writing .grad
+
+`hidden_share` reads the overlap back: how much of the communication ran
+while backward was still computing. The same spans are labelled for
+torch.profiler (record_function), so a torch profile shows them too.
+"""
+import atexit
+import json
+import os
+import threading
+import time
+
+import torch
+
+_T0 = time.perf_counter()
+
+
+def now_us():
+    return (time.perf_counter() - _T0) * 1e6
+
+
+class Timeline:
+    """Collects trace events in memory; `save()` writes them (also at interpreter exit)."""
+
+    def __init__(self, path, rank):
+        self.path = f"{path}.rank{rank}.json" if path else None
+        self.rank = rank
+        self.events = []
+        self._lock = threading.Lock()  # spans arrive from the training and comm threads
+        if self.path:
+            atexit.register(self.save)
+
+    def span(self, name, start_us, end_us, thread="train", **args):
+        with self._lock:
+            self.events.append({"name": name, "ph": "X", "ts": start_us,
+                                "dur": max(0.0, end_us - start_us), "pid": self.rank,
+                                "tid": thread, "args": args})
+
+    def instant(self, name, thread="train", **args):
+        with self._lock:
+            self.events.append({"name": name, "ph": "i", "s": "t", "ts": now_us(),
+                                "pid": self.rank, "tid": thread, "args": args})
+
+    def save(self):
+        if self.path is None:
+            return None
+        with self._lock, open(self.path, "w") as f:
+            json.dump({"traceEvents": self.events, "displayTimeUnit": "ms"}, f)
+        return self.path
+
+
+def profiled(label):
+    """A torch.profiler label, or nothing when no profiler runs (it costs a little)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.autograd.profiler.record_function(label)
+    return _NoLabel()
+
+
+class _NoLabel:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def from_environment(rank, path=None):
+    """The Timeline the wrapper should keep: `path`, else $MINDDP_TIMELINE, else none."""
+    path = path or os.environ.get("MINDDP_TIMELINE")
+    return Timeline(path, rank) if path else None
+
+
+def hidden_share(events):
+    """Share of communication time that overlapped a backward span, over a list of
+    trace events from one rank (1.0: all hidden, 0.0: all exposed)."""
+    backward = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "backward"]
+    comm = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith("comm ")]
+    total = sum(end - start for start, end in comm)
+    if total <= 0:
+        return None
+    overlap = sum(max(0.0, min(end, b_end) - max(start, b_start))
+                  for start, end in comm for b_start, b_end in backward)
+    return overlap / total
+
+
+def merge(paths, out):
+    """Join per-rank trace files into one (each rank is its own process row)."""
+    events = []
+    for path in paths:
+        with open(path) as f:
+            events += json.load(f)["traceEvents"]
+    with open(out, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    return out
