@@ -87,12 +87,16 @@ def _failure_report(world_size, rank, error, results, grace=1.0):
     return report
 
 
-def run_world(fn, world_size, *args, timeout=60, pg_timeout=None):
+def run_world(fn, world_size, *args, timeout=60, pg_timeout=None, expect_dead=()):
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return their results.
 
     `pg_timeout` (seconds) is the process group's timeout inside the children;
     by default a little under `timeout`, so collectives blocked on a dead peer
-    raise before the harness gives up on the world.
+    raise before the harness gives up on the world. Ranks in `expect_dead` are
+    meant to die or get stuck (fault tests): nobody waits for them, their
+    result is None, and they are killed once the others have finished. Every
+    other rank must also exit promptly after returning: a rank that hangs on
+    its way out fails the test.
     """
     pg_timeout = pg_timeout or max(5, int(timeout * 0.6))
     port = free_port()
@@ -104,17 +108,17 @@ def run_world(fn, world_size, *args, timeout=60, pg_timeout=None):
         p.start()
     values, deadline = {}, time.monotonic() + timeout
     try:
-        while len(values) < world_size:
+        while len(values) < world_size - len(expect_dead):
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = sorted(set(range(world_size)) - set(values))
+                missing = sorted(set(range(world_size)) - set(values) - set(expect_dead))
                 raise WorldFailed(f"world of {world_size} hung: ranks {missing} did not "
                                   f"finish within {timeout}s")
             try:
                 rank, status, value = results.get(timeout=min(left, 0.5))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if r not in values and p.exitcode not in (None, 0)]
+                dead = [r for r, p in enumerate(procs) if r not in values and
+                        r not in expect_dead and p.exitcode not in (None, 0)]
                 if dead:
                     # Give a dying rank a moment to deliver its traceback.
                     try:
@@ -124,12 +128,18 @@ def run_world(fn, world_size, *args, timeout=60, pg_timeout=None):
                                           f"{procs[dead[0]].exitcode} and no traceback")
                 else:
                     continue
+            if rank in expect_dead:
+                continue
             if status == "error":
                 raise WorldFailed(_failure_report(world_size, rank, value, results))
             values[rank] = pickle.loads(value)
-        for p in procs:
-            p.join(timeout=10)
-        return [values[r] for r in range(world_size)]
+        for r, p in enumerate(procs):
+            if r not in expect_dead:
+                p.join(timeout=20)
+                if p.is_alive():
+                    raise WorldFailed(f"rank {r} returned but did not exit within 20s "
+                                      f"(stuck in a destructor or a thread?)")
+        return [values.get(r) for r in range(world_size)]
     finally:
         for p in procs:
             if p.is_alive():

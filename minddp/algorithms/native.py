@@ -10,7 +10,16 @@ import torch.distributed as dist
 def all_reduce_async(tensor, group):
     """Start an in-place sum of `tensor` over `group`; return a Future of the tensor."""
     work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda fut: tensor)
+    return work.get_future().then(_result_or_raise(tensor))
+
+
+def _result_or_raise(tensor):
+    # A then() callback runs even when the work failed; value() re-raises that
+    # error, so a dead peer is never mistaken for a finished reduction.
+    def done(fut):
+        fut.value()
+        return tensor
+    return done
 
 
 def all_reduce(tensor, group):
