@@ -13,6 +13,7 @@ from torch import nn
 
 from minddp import algorithms
 from minddp.comm import CommEngine
+from minddp.health import PeerProgress
 from minddp.model_sync import broadcast_from_first, check_same_model
 from minddp.reducer import Reducer
 from minddp.timeline import from_environment
@@ -75,16 +76,7 @@ class DistributedDataParallel(nn.Module):
                     "compression": compression, "find_unused_parameters": find_unused_parameters,
                     "gradient_as_bucket_view": gradient_as_bucket_view,
                     "broadcast_buffers": broadcast_buffers}
-        check_same_model(named, settings, group)
-        broadcast_from_first([p.data for _, p in module.named_parameters()] +
-                             [b for b in module.buffers()], group)
-
-        timeout = timeout if timeout is not None else _timeout_of(group)
-        if isinstance(timeout, (int, float)):
-            timeout = datetime.timedelta(seconds=timeout)
-        self.comm_group = dist.new_group(dist.get_process_group_ranks(group),
-                                         backend=dist.get_backend(group), timeout=timeout,
-                                         use_local_synchronization=group is not dist.group.WORLD)
+        self.comm_group = self._join_peers(module, named, settings, group, rank, timeout)
         # A Chrome trace of this rank's buckets (timeline.py), if asked for.
         self.timeline = from_environment(rank, timeline)
         self.engine = CommEngine(self.comm_group, timeline=self.timeline)
@@ -100,7 +92,33 @@ class DistributedDataParallel(nn.Module):
                                                                label=label),
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view, describe=f"algorithm {algorithm!r}",
-            timeline=self.timeline)
+            timeline=self.timeline,
+            progress=PeerProgress(group, self.comm_group) if self.world_size > 1 else None)
+
+    @staticmethod
+    def _join_peers(module, named, settings, group, rank, timeout):
+        """Agree on the model, take rank 0's weights, open the gradient process group.
+
+        Every rank of `group` must call it; a peer that dies or never arrives
+        turns into an error here (within the group's timeout), not a hang.
+        """
+        timeout = timeout if timeout is not None else _timeout_of(group)
+        if isinstance(timeout, (int, float)):
+            timeout = datetime.timedelta(seconds=timeout)
+        try:
+            check_same_model(named, settings, group)
+            broadcast_from_first([p.data for _, p in module.named_parameters()] +
+                                 list(module.buffers()), group)
+            return dist.new_group(dist.get_process_group_ranks(group),
+                                  backend=dist.get_backend(group), timeout=timeout,
+                                  use_local_synchronization=group is not dist.group.WORLD)
+        except ValueError:
+            raise  # a mismatch, already explained
+        except Exception as e:
+            raise RuntimeError(
+                f"minddp (rank {rank}): start-up agreement with the other ranks failed: a peer "
+                f"died or did not construct the wrapper within the process group's timeout. "
+                f"Cause: {str(e).splitlines()[0]}") from e
 
     @staticmethod
     def _check_arguments(module, named, rank, device_ids, bucket_cap_mb, algorithm, compression):

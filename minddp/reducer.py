@@ -33,7 +33,7 @@ class Reducer:
 
     def __init__(self, named_params, *, world_size, rank, bucket_cap_bytes, reduce, reduce_used,
                  find_unused_parameters=False, gradient_as_bucket_view=False, describe="native",
-                 first_bucket_bytes=bucketing.FIRST_BUCKET_BYTES, timeline=None):
+                 first_bucket_bytes=bucketing.FIRST_BUCKET_BYTES, timeline=None, progress=None):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.world_size, self.rank = world_size, rank
@@ -42,6 +42,7 @@ class Reducer:
         self.describe = describe  # the algorithm, for error messages
         self._reduce, self._reduce_used = reduce, reduce_used
         self.timeline = timeline  # see timeline.py; None records nothing
+        self.progress = progress  # health.PeerProgress: names the peer when a bucket fails
         self.buckets = bucketing.build(self.params, self.names, bucket_cap_bytes,
                                        first_bucket_bytes)
         self._where = {}  # parameter index -> (bucket, position in bucket)
@@ -95,6 +96,8 @@ class Reducer:
     def _start_backward(self):
         self._started = True
         self._backward_start = now_us()
+        if self.progress is not None:
+            self.progress.entered(self.iterations)
         self._ready = [False] * len(self.params)
         self._next = 0
         self._futures = [None] * len(self.buckets)
@@ -221,10 +224,13 @@ class Reducer:
             return future.wait()
         except Exception as e:
             via = "the communication hook" if self.comm_hook is not None else self.describe
+            who = (self.progress.describe(self.iterations) if self.progress is not None
+                   else "a peer may have died or stalled")
+            cause = str(e).split("\n")[0].replace(
+                "Got the following error when running the callback: ", "")
             raise RuntimeError(
-                f"minddp (rank {self.rank}): all-reduce of {what} with {via} failed: {e}. "
-                f"A peer may have died, or produced no gradient for a parameter in this bucket "
-                f"(see find_unused_parameters).") from e
+                f"minddp (rank {self.rank}): all-reduce of {what} with {via} failed in "
+                f"iteration {self.iterations}: {who}. Cause: {cause}") from e
 
     def communicate_only(self):
         """Reduce every bucket's current contents the way backward does, and wait.

@@ -1,0 +1,73 @@
+"""A dead or stuck peer: every other rank raises, soon, saying who it waited for.
+
+Rank `victim` of a 3-rank world dies (SIGKILL) or stops at a chosen point; the
+survivors must raise from the wrapper's constructor, forward or backward
+within the configured timeout (5 s here), with a message naming the bucket,
+the algorithm and the peer, and then exit cleanly (the harness fails a rank
+that hangs on its way out).
+"""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import minddp
+from dist_harness import run_world
+from models import DeepNet, batch
+
+TIMEOUT = 5
+
+
+def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fault(rank, world_size, when, victim):
+    doomed = rank == victim
+    torch.distributed.barrier()  # every rank is past the harness's own set-up
+    if doomed and when == "construction":
+        _die()
+    t0 = time.monotonic()
+    try:
+        ddp = minddp.DDP(DeepNet(), bucket_cap_mb=0.002, timeout=TIMEOUT)
+        for step in range(3):
+            out = ddp(*batch("deep", rank, step))
+            if doomed and step == 1 and when == "before_backward":
+                _die()
+            if doomed and step == 1 and when == "stuck":
+                time.sleep(4 * TIMEOUT)
+                _die()
+            if doomed and step == 1 and when == "mid_backward":
+                # dies once backward has reached the middle of the network
+                ddp.module.layers[4].weight.register_hook(lambda grad: _die())
+            t0 = time.monotonic()
+            out.square().mean().backward()
+    except Exception as e:  # noqa: BLE001 - what each survivor saw is the result
+        return time.monotonic() - t0, str(e)
+    return None, "no error"
+
+
+@pytest.mark.parametrize("when, victim", [("construction", 2), ("before_backward", 2),
+                                          ("mid_backward", 1), ("stuck", 2),
+                                          ("before_backward", 0)])
+def test_survivors_raise_naming_the_peer(when, victim):
+    results = run_world(_fault, 3, when, victim, timeout=60, expect_dead=(victim,))
+    for rank, result in enumerate(results):
+        if rank == victim:
+            continue
+        elapsed, error = result
+        assert elapsed is not None, f"rank {rank} trained on without its peer: {error}"
+        assert elapsed < TIMEOUT + 3, f"rank {rank} took {elapsed:.1f}s to notice"
+        assert f"minddp (rank {rank})" in error, error
+        if when == "construction":
+            assert "start-up agreement" in error, error
+            continue
+        assert "bucket" in error and "algorithm 'auto'" in error, error
+        if victim == 0:  # the store lives on rank 0: the peer cannot be named
+            assert "rank 0 may be the one that died" in error, error
+        elif when == "mid_backward":
+            assert "iteration 1" in error, error
+        else:
+            assert f"waiting for rank {victim} (last entered iteration 0)" in error, error
