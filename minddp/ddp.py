@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minddp import algorithms
+from minddp import compression as compressing
 from minddp.comm import CommEngine
 from minddp.health import PeerProgress
 from minddp.model_sync import broadcast_from_first, check_same_model
@@ -82,6 +83,8 @@ class DistributedDataParallel(nn.Module):
         self.engine = CommEngine(self.comm_group, timeline=self.timeline)
         impl = algorithms.resolve(algorithm)
         job = getattr(impl, "all_reduce_async", impl.all_reduce)
+        if compression is not None:
+            job = compressing.all_reduce_job(impl, compression)
         used_job = algorithms.ALGORITHMS["native"].all_reduce_async
         self.reducer = Reducer(
             named, world_size=self.world_size, rank=rank,
@@ -151,9 +154,6 @@ class DistributedDataParallel(nn.Module):
         if compression not in COMPRESSIONS:
             raise ValueError(f"{where}: unknown compression {compression!r}; choose one of "
                              f"{list(COMPRESSIONS)}.")
-        if compression is not None:
-            raise NotImplementedError(f"{where}: compression={compression!r} is not implemented "
-                                      f"yet in this version; use compression=None.")
 
     # -- forward -----------------------------------------------------------------
     def forward(self, *inputs, **kwargs):

@@ -1,0 +1,52 @@
+// Declarations shared by the registration file, the CPU kernels and the CUDA glue,
+// plus the argument checks every device applies before touching memory.
+#pragma once
+#include <ATen/ATen.h>
+
+namespace minddp {
+
+std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& src, at::ScalarType dtype);
+at::Tensor decompress_cpu(const at::Tensor& packed, const at::Tensor& scale);
+at::Tensor& decompress_add_cpu(at::Tensor& dst, const at::Tensor& packed, const at::Tensor& scale);
+
+#ifdef MINDDP_WITH_CUDA
+std::tuple<at::Tensor, at::Tensor> compress_cuda(const at::Tensor& src, at::ScalarType dtype);
+at::Tensor decompress_cuda(const at::Tensor& packed, const at::Tensor& scale);
+at::Tensor& decompress_add_cuda(at::Tensor& dst, const at::Tensor& packed, const at::Tensor& scale);
+#endif
+
+inline void check_compress_args(const at::Tensor& src, at::ScalarType dtype) {
+  TORCH_CHECK(src.scalar_type() == at::kFloat, "minddp.compress: src must be float32, got ",
+              src.scalar_type(), "; convert it with .float() (non-float tensors are sent "
+              "uncompressed by minddp.compression)");
+  TORCH_CHECK(src.is_contiguous(), "minddp.compress: src must be contiguous; call "
+              ".contiguous() on it first");
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "minddp.compress: dtype must be "
+              "torch.float16 or torch.bfloat16, got ", dtype);
+}
+
+// dst is undefined for decompress (it allocates its own output).
+inline void check_decompress_args(const char* op, const at::Tensor& dst, const at::Tensor& packed,
+                                  const at::Tensor& scale) {
+  TORCH_CHECK(packed.scalar_type() == at::kHalf || packed.scalar_type() == at::kBFloat16,
+              op, ": packed must be float16 or bfloat16 (the output of minddp.compress), got ",
+              packed.scalar_type());
+  TORCH_CHECK(packed.is_contiguous(), op, ": packed must be contiguous; call .contiguous() on "
+              "it first");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, op, ": scale must be "
+              "the one-element float32 tensor returned by minddp.compress, got ",
+              scale.scalar_type(), " with ", scale.numel(), " elements");
+  TORCH_CHECK(scale.device() == packed.device(), op, ": scale is on ", scale.device(),
+              " but packed is on ", packed.device(), "; move both to the same device");
+  if (!dst.defined()) return;
+  TORCH_CHECK(dst.scalar_type() == at::kFloat, op, ": dst must be float32 (values accumulate "
+              "in fp32), got ", dst.scalar_type());
+  TORCH_CHECK(dst.is_contiguous(), op, ": dst must be contiguous; accumulate into a "
+              "contiguous buffer and copy back");
+  TORCH_CHECK(dst.device() == packed.device(), op, ": dst is on ", dst.device(),
+              " but packed is on ", packed.device(), "; move both to the same device");
+  TORCH_CHECK(dst.numel() == packed.numel(), op, ": dst has ", dst.numel(), " elements but "
+              "packed has ", packed.numel(), "; pass the chunk that was compressed");
+}
+
+}  // namespace minddp

@@ -1,0 +1,113 @@
+// CPU kernels over one contiguous range: a portable scalar version, and an
+// AVX-512 version compiled through target attributes (the build itself uses no
+// -march flag, so the extension runs on any x86-64 or Arm CPU) and picked at
+// run time. Packed values travel as their 16-bit patterns (uint16_t).
+#pragma once
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MINDDP_X86_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace minddp {
+
+// Scalar conversions: c10's round to nearest even, NaN kept NaN (as torch's .to()).
+template <bool BF16> inline uint16_t to_bits(float f) {
+  return BF16 ? c10::BFloat16(f).x : c10::Half(f).x;
+}
+template <bool BF16> inline float from_bits(uint16_t b) {
+  return BF16 ? float(c10::BFloat16(b, c10::BFloat16::from_bits()))
+              : float(c10::Half(b, c10::Half::from_bits()));
+}
+
+// Largest finite magnitude: inf/NaN must not set the scale (they would zero
+// every other value); they pass through the conversion unchanged instead.
+inline float amax_scalar(const float* x, int64_t n, float m = 0.0f) {
+  for (int64_t i = 0; i < n; ++i) {
+    float a = std::fabs(x[i]);
+    if (a < INFINITY && a > m) m = a;
+  }
+  return m;
+}
+
+template <bool BF16> void pack_scalar(const float* x, int64_t n, float scale, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = to_bits<BF16>(x[i] * scale);
+}
+
+// Multiply by the exact reciprocal of a power of two (= divide), then add: two
+// roundings, as `dst.add_(packed.float() / scale)`; the build disables FMA
+// contraction (-ffp-contract=off) so the compiler cannot fuse them.
+template <bool BF16, bool ADD>
+void unpack_scalar(const uint16_t* p, int64_t n, float inv, float* dst) {
+  for (int64_t i = 0; i < n; ++i) {
+    float v = from_bits<BF16>(p[i]) * inv;
+    dst[i] = ADD ? dst[i] + v : v;
+  }
+}
+
+#ifdef MINDDP_X86_AVX512
+#define MINDDP_AVX512 __attribute__((target("avx512f")))
+
+MINDDP_AVX512 inline float amax_avx512(const float* x, int64_t n) {
+  const __m512 inf = _mm512_set1_ps(INFINITY);
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {  // two accumulators hide the max latency
+    __m512 v0 = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+    __m512 v1 = _mm512_abs_ps(_mm512_loadu_ps(x + i + 16));
+    a0 = _mm512_mask_max_ps(a0, _mm512_cmp_ps_mask(v0, inf, _CMP_LT_OQ), a0, v0);
+    a1 = _mm512_mask_max_ps(a1, _mm512_cmp_ps_mask(v1, inf, _CMP_LT_OQ), a1, v1);
+  }
+  return amax_scalar(x + i, n - i, _mm512_reduce_max_ps(_mm512_max_ps(a0, a1)));
+}
+
+// fp32 -> bf16 bits, round to nearest even with NaN -> 0x7FC0: c10's rule,
+// bit for bit (AVX512_BF16's vcvtneps2bf16 would flush subnormals instead).
+MINDDP_AVX512 inline __m256i bf16_rne(__m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb,
+                                _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+template <bool BF16>
+MINDDP_AVX512 void pack_avx512(const float* x, int64_t n, float scale, uint16_t* out) {
+  const __m512 s = _mm512_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), s);
+    __m256i h = BF16 ? bf16_rne(v) : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
+  }
+  pack_scalar<BF16>(x + i, n - i, scale, out + i);
+}
+
+template <bool BF16, bool ADD>
+MINDDP_AVX512 void unpack_avx512(const uint16_t* p, int64_t n, float inv, float* dst) {
+  const __m512 s = _mm512_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+    __m512 v = BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                    : _mm512_cvtph_ps(h);
+    v = _mm512_mul_ps(v, s);
+    _mm512_storeu_ps(dst + i, ADD ? _mm512_add_ps(_mm512_loadu_ps(dst + i), v) : v);
+  }
+  unpack_scalar<BF16, ADD>(p + i, n - i, inv, dst + i);
+}
+
+inline bool cpu_has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  return ok;
+}
+#endif
+
+}  // namespace minddp

@@ -1,0 +1,55 @@
+// CUDA glue: checks, device guard, current stream, then the raw-pointer
+// launchers of compress_kernels.cu. Builds only where torch has CUDA.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "../compress.h"
+#include "compress_kernels.h"
+
+namespace minddp {
+namespace {
+
+void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> compress_cuda(const at::Tensor& src, at::ScalarType dtype) {
+  check_compress_args(src, dtype);
+  const c10::cuda::CUDAGuard guard(src.device());
+  at::Tensor packed = at::empty(src.sizes(), src.options().dtype(dtype));
+  at::Tensor scale = at::empty({1}, src.options());
+  at::Tensor workspace = at::empty({1}, src.options().dtype(at::kInt));
+  check_launch(launch_compress(src.data_ptr<float>(), src.numel(), dtype == at::kBFloat16,
+                               packed.data_ptr(), scale.data_ptr<float>(),
+                               reinterpret_cast<unsigned int*>(workspace.data_ptr<int>()),
+                               at::cuda::getCurrentCUDAStream()),
+               "minddp.compress");
+  return {packed, scale};
+}
+
+static void unpack(const char* op, const at::Tensor& packed, const at::Tensor& scale,
+                   at::Tensor& dst, bool accumulate) {
+  const c10::cuda::CUDAGuard guard(packed.device());
+  check_launch(launch_decompress(packed.data_ptr(), packed.numel(),
+                                 packed.scalar_type() == at::kBFloat16, scale.data_ptr<float>(),
+                                 dst.data_ptr<float>(), accumulate,
+                                 at::cuda::getCurrentCUDAStream()),
+               op);
+}
+
+at::Tensor decompress_cuda(const at::Tensor& packed, const at::Tensor& scale) {
+  check_decompress_args("minddp.decompress", at::Tensor(), packed, scale);
+  at::Tensor dst = at::empty(packed.sizes(), packed.options().dtype(at::kFloat));
+  unpack("minddp.decompress", packed, scale, dst, false);
+  return dst;
+}
+
+at::Tensor& decompress_add_cuda(at::Tensor& dst, const at::Tensor& packed, const at::Tensor& scale) {
+  check_decompress_args("minddp.decompress_add_", dst, packed, scale);
+  unpack("minddp.decompress_add_", packed, scale, dst, true);
+  return dst;
+}
+
+}  // namespace minddp

@@ -1,0 +1,144 @@
+// CUDA kernels for compress / decompress / decompress_add_. Grid-stride loops
+// over 4-element groups (one 16-byte load of fp32, one 8-byte access of packed
+// data) where the pointers allow it, element by element otherwise (chunks of a
+// bucket can start anywhere). The scale never leaves the device.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "../scale.h"
+#include "compress_kernels.h"
+
+namespace minddp {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ float load(const __half* p) { return __half2float(*p); }
+__device__ __forceinline__ float load(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+
+template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
+
+// inf/NaN are skipped: they must not set the scale, and pass through as themselves.
+__device__ __forceinline__ float finite_abs(float x) {
+  float a = fabsf(x);
+  return a < INFINITY ? a : 0.0f;
+}
+
+__global__ void amax_kernel(const float* x, int64_t n, bool vec, unsigned int* amax_bits) {
+  __shared__ float warp_max[kThreads / 32];
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, start = 0;
+  float m = 0.0f;
+  if (vec) {
+    for (int64_t g = i; g < n / 4; g += stride) {
+      float4 v = reinterpret_cast<const float4*>(x)[g];
+      m = fmaxf(fmaxf(m, fmaxf(finite_abs(v.x), finite_abs(v.y))),
+                fmaxf(finite_abs(v.z), finite_abs(v.w)));
+    }
+    start = n / 4 * 4;
+  }
+  for (int64_t k = start + i; k < n; k += stride) m = fmaxf(m, finite_abs(x[k]));
+  for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
+    // Non-negative floats order like their bit patterns, so an integer max works.
+    atomicMax(amax_bits, __float_as_uint(m));
+  }
+}
+
+template <typename T>
+__global__ void pack_kernel(const float* x, int64_t n, bool vec, const unsigned int* amax_bits,
+                            float* scale_out, T* out) {
+  const float scale = scale_from_amax(__uint_as_float(*amax_bits));
+  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = scale;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, start = 0;
+  if (vec) {
+    for (int64_t g = i; g < n / 4; g += stride) {
+      float4 v = reinterpret_cast<const float4*>(x)[g];
+      Four<T> o;
+      store(&o.v[0], __fmul_rn(v.x, scale)); store(&o.v[1], __fmul_rn(v.y, scale));
+      store(&o.v[2], __fmul_rn(v.z, scale)); store(&o.v[3], __fmul_rn(v.w, scale));
+      reinterpret_cast<Four<T>*>(out)[g] = o;
+    }
+    start = n / 4 * 4;
+  }
+  for (int64_t k = start + i; k < n; k += stride) store(&out[k], __fmul_rn(x[k], scale));
+}
+
+// __fmul_rn/__fadd_rn are never contracted into an FMA: two roundings, exactly
+// as torch's `dst.add_(packed.float() / scale)` (the reference).
+template <typename T, bool ADD>
+__global__ void unpack_kernel(const T* p, int64_t n, bool vec, const float* scale, float* dst) {
+  const float inv = 1.0f / *scale;  // exact: scales are powers of two
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, start = 0;
+  if (vec) {
+    for (int64_t g = i; g < n / 4; g += stride) {
+      Four<T> q = reinterpret_cast<const Four<T>*>(p)[g];
+      float4 v = make_float4(__fmul_rn(load(&q.v[0]), inv), __fmul_rn(load(&q.v[1]), inv),
+                             __fmul_rn(load(&q.v[2]), inv), __fmul_rn(load(&q.v[3]), inv));
+      float4* d = reinterpret_cast<float4*>(dst) + g;
+      if (ADD) {
+        float4 o = *d;
+        v = make_float4(__fadd_rn(o.x, v.x), __fadd_rn(o.y, v.y), __fadd_rn(o.z, v.z),
+                        __fadd_rn(o.w, v.w));
+      }
+      *d = v;
+    }
+    start = n / 4 * 4;
+  }
+  for (int64_t k = start + i; k < n; k += stride) {
+    float v = __fmul_rn(load(&p[k]), inv);
+    dst[k] = ADD ? __fadd_rn(dst[k], v) : v;
+  }
+}
+
+// Enough resident blocks to keep every SM's memory pipeline full; the loops stride over the rest.
+int grid_for(int64_t work) {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  int64_t needed = (work + kThreads - 1) / kThreads;
+  int64_t cap = int64_t(sms > 0 ? sms : 1) * 8;
+  return int(needed < 1 ? 1 : (needed < cap ? needed : cap));
+}
+
+bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+}  // namespace
+
+cudaError_t launch_compress(const float* src, int64_t n, bool bf16, void* packed, float* scale,
+                            unsigned int* workspace, cudaStream_t stream) {
+  const bool vec = aligned(src, 16) && aligned(packed, 8);
+  const int grid = grid_for(vec ? n / 4 : n);
+  cudaMemsetAsync(workspace, 0, sizeof(unsigned int), stream);
+  amax_kernel<<<grid, kThreads, 0, stream>>>(src, n, vec, workspace);
+  if (bf16) {
+    pack_kernel<<<grid, kThreads, 0, stream>>>(src, n, vec, workspace, scale,
+                                               static_cast<__nv_bfloat16*>(packed));
+  } else {
+    pack_kernel<<<grid, kThreads, 0, stream>>>(src, n, vec, workspace, scale,
+                                               static_cast<__half*>(packed));
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_decompress(const void* packed, int64_t n, bool bf16, const float* scale,
+                              float* dst, bool accumulate, cudaStream_t stream) {
+  const bool vec = aligned(packed, 8) && aligned(dst, 16);
+  const int grid = grid_for(vec ? n / 4 : n);
+  const auto* h = static_cast<const __half*>(packed);
+  const auto* b = static_cast<const __nv_bfloat16*>(packed);
+  if (bf16 && accumulate) unpack_kernel<__nv_bfloat16, true><<<grid, kThreads, 0, stream>>>(b, n, vec, scale, dst);
+  else if (bf16) unpack_kernel<__nv_bfloat16, false><<<grid, kThreads, 0, stream>>>(b, n, vec, scale, dst);
+  else if (accumulate) unpack_kernel<__half, true><<<grid, kThreads, 0, stream>>>(h, n, vec, scale, dst);
+  else unpack_kernel<__half, false><<<grid, kThreads, 0, stream>>>(h, n, vec, scale, dst);
+  return cudaGetLastError();
+}
+
+}  // namespace minddp

@@ -1,0 +1,20 @@
+// Launchers of the CUDA kernels: raw pointers, element counts and a stream, no
+// torch types, so compress_kernels.cu compiles with nvcc alone (CI has no CUDA torch).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace minddp {
+
+// packed = src * scale in fp16 (bf16 = false) or bf16, scale from src's largest
+// finite magnitude, written to *scale on the device. workspace: one uint32 of
+// device memory (the running maximum's bits).
+cudaError_t launch_compress(const float* src, int64_t n, bool bf16, void* packed, float* scale,
+                            unsigned int* workspace, cudaStream_t stream);
+
+// dst = packed / *scale, or dst += packed / *scale when accumulate is set.
+cudaError_t launch_decompress(const void* packed, int64_t n, bool bf16, const float* scale,
+                              float* dst, bool accumulate, cudaStream_t stream);
+
+}  // namespace minddp

@@ -1,0 +1,33 @@
+// The one registration file: op schemas (TORCH_LIBRARY) and one implementation
+// block per device (TORCH_LIBRARY_IMPL). Importing minddp._C runs these.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "compress.h"
+
+// minddp._C is a plain Python module with no functions: its only job is to be
+// importable so that loading it registers the ops under torch.ops.minddp.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
+
+TORCH_LIBRARY(minddp, m) {
+  m.def("compress(Tensor src, ScalarType dtype) -> (Tensor packed, Tensor scale)");
+  m.def("decompress(Tensor packed, Tensor scale) -> Tensor");
+  m.def("decompress_add_(Tensor(a!) dst, Tensor packed, Tensor scale) -> Tensor(a!)");
+}
+
+TORCH_LIBRARY_IMPL(minddp, CPU, m) {
+  m.impl("compress", &minddp::compress_cpu);
+  m.impl("decompress", &minddp::decompress_cpu);
+  m.impl("decompress_add_", &minddp::decompress_add_cpu);
+}
+
+#ifdef MINDDP_WITH_CUDA
+TORCH_LIBRARY_IMPL(minddp, CUDA, m) {
+  m.impl("compress", &minddp::compress_cuda);
+  m.impl("decompress", &minddp::decompress_cuda);
+  m.impl("decompress_add_", &minddp::decompress_add_cuda);
+}
+#endif

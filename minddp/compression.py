@@ -1,0 +1,141 @@
+"""fp16/bf16 gradient compression: codecs for the all-reduce algorithms, on minddp's kernels.
+
+A `Codec` turns a chunk of a bucket into the tensors that travel and back:
+
+    wire = codec.encode(chunk)        # [packed fp16/bf16, scale float32[1]]
+    codec.decode_add_(dst, wire)      # dst += decoded, accumulated in dst's fp32
+    codec.decode_(dst, wire)          # dst = decoded
+
+Ring and tree call these per hop (`all_reduce(tensor, group, codec=codec)`), so
+partial sums accumulate in fp32 and only the wire is 16-bit; torch's
+fp16_compress_hook instead sums in fp16. As in Horovod's compression, only
+float32 tensors are compressed: anything else travels as itself.
+
+The kernels are torch.ops.minddp.* from the extension minddp._C where it has a
+kernel for the tensor's device, else the pure-torch reference
+(compression_reference.py): same numbers, slower; minddp says so once.
+"""
+import inspect
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from minddp import compression_reference as reference
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+try:
+    import minddp._C  # noqa: F401 - loading it registers torch.ops.minddp.*
+    HAVE_EXTENSION = True
+except ImportError as e:
+    HAVE_EXTENSION = False
+    warnings.warn(f"minddp: the C++ extension minddp._C is not available ({e}); compression "
+                  f"runs on pure torch ops, which is slower. Build it with `make setup` or "
+                  f"`pip install --no-build-isolation -e .`.", RuntimeWarning, stacklevel=2)
+
+_warned_devices = set()
+
+
+def kernels_for(device):
+    """The module whose compress/decompress/decompress_add_ serve tensors on `device`."""
+    device_type = torch.device(device).type
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    if HAVE_EXTENSION and key and torch._C._dispatch_has_kernel_for_dispatch_key(
+            "minddp::compress", key):
+        return torch.ops.minddp
+    if HAVE_EXTENSION and device_type not in _warned_devices:
+        _warned_devices.add(device_type)
+        warnings.warn(f"minddp: minddp._C has no {device_type} kernels (built without CUDA?); "
+                      f"compression of {device_type} tensors runs on pure torch ops. Rebuild "
+                      f"where torch has CUDA and nvcc to get them.", RuntimeWarning, stacklevel=2)
+    return reference
+
+
+class Codec:
+    """fp16 or bf16 encoding of float32 chunks with a per-chunk power-of-two scale.
+
+    `kernels`: the module providing the three ops (torch.ops.minddp or
+    compression_reference); by default the fastest available for each chunk.
+    """
+
+    def __init__(self, compression, kernels=None):
+        if compression not in DTYPES:
+            raise ValueError(f"minddp: unknown compression {compression!r}; choose one of "
+                             f"{sorted(DTYPES)} (or None for none).")
+        self.name, self.dtype, self.kernels = compression, DTYPES[compression], kernels
+
+    def __repr__(self):
+        return f"Codec({self.name!r})"
+
+    def compresses(self, tensor):
+        return tensor.dtype == torch.float32
+
+    def _ops(self, tensor):
+        return self.kernels or kernels_for(tensor.device)
+
+    def encode(self, chunk):
+        """The tensors to send for `chunk`: [packed, scale], or [chunk] if it is not float32."""
+        if not self.compresses(chunk):
+            return [chunk]
+        return list(self._ops(chunk).compress(chunk.contiguous(), self.dtype))
+
+    def decode_add_(self, dst, wire):
+        """dst += the decoded wire, summed in dst's dtype (fp32 for compressed chunks)."""
+        if len(wire) == 1:
+            return dst.add_(wire[0].view_as(dst))
+        return self._ops(dst).decompress_add_(dst, wire[0], wire[1])
+
+    def decode_(self, dst, wire):
+        """dst = the decoded wire (a -0.0 comes back as +0.0: it is added to zeros)."""
+        if len(wire) == 1:
+            return dst.copy_(wire[0].view_as(dst))
+        # zero + add beats decompress + copy: no temporary as large as the chunk.
+        return self._ops(dst).decompress_add_(dst.zero_(), wire[0], wire[1])
+
+
+def native_all_reduce(tensor, group, codec):
+    """Sum `tensor` in place over `group` with the backend's all-reduce in 16 bits.
+
+    The backend adds packed values, so every rank must pack with the same
+    scale: the smallest local one (the largest magnitude anywhere), lowered by
+    the next power of two >= world size so that the sum cannot overflow either.
+    Every rank decodes the same summed values with that scale: results are
+    bitwise equal across ranks. Non-float32 tensors are summed as they are.
+    """
+    if not codec.compresses(tensor):
+        dist.all_reduce(tensor, group=group)
+        return tensor
+    packed, scale = codec.encode(tensor)
+    common = scale.clone()
+    dist.all_reduce(common, op=dist.ReduceOp.MIN, group=group)
+    common /= 2.0 ** math.ceil(math.log2(dist.get_world_size(group)))
+    # Powers of two: exact apart from values that become fp16 subnormals.
+    packed.mul_((common / scale).reshape(()))
+    dist.all_reduce(packed, group=group)
+    return codec.decode_(tensor, [packed, common])
+
+
+def all_reduce_job(impl, compression):
+    """`job(tensor, group)` that all-reduces through the algorithm module `impl` with compression.
+
+    Algorithms whose `all_reduce` takes a codec (ring, tree) decode per hop;
+    others (the backend's native one) get compress, 16-bit sum, decompress.
+    """
+    codec = Codec(compression)
+    if "codec" in inspect.signature(impl.all_reduce).parameters:
+        return lambda tensor, group: impl.all_reduce(tensor, group, codec=codec)
+    return lambda tensor, group: native_all_reduce(tensor, group, codec)
+
+
+def all_reduce(tensor, algorithm="ring", group=None, compression="fp16"):
+    """minddp.all_reduce with compression: in-place sum of `tensor` over `group`, sent as 16 bits.
+
+    Every rank of the group calls it with a tensor of the same shape and
+    dtype; returns the tensor, bitwise equal on every rank.
+    """
+    from minddp import algorithms
+
+    group = group if group is not None else dist.group.WORLD
+    return all_reduce_job(algorithms.resolve(algorithm), compression)(tensor, group)

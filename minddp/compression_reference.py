@@ -1,0 +1,48 @@
+"""Pure-torch reference of the compression ops, and minddp's fallback without its extension.
+
+Same contract, same numbers as torch.ops.minddp.* (csrc/): every kernel is
+tested against these functions, bit for bit apart from NaN payloads.
+
+    packed, scale = compress(src, torch.float16)   # packed = src * scale, scale: float32 [1]
+    decompress(packed, scale)                       # packed / scale, float32
+    decompress_add_(dst, packed, scale)             # dst += packed / scale, in place
+
+The scale is a power of two (so applying and removing it is exact) chosen from
+the largest finite magnitude m: m * scale lands in [2^14, 2^15), below fp16's
+largest value 65504 with a factor of two to spare, so nothing overflows and a
+tensor of small values is not flushed to zero. inf and NaN do not take part in
+choosing it and come out as inf and NaN. Everything stays on the tensor's
+device: no host synchronisation.
+"""
+import torch
+
+TARGET_EXPONENT = 15  # csrc/scale.h: kTargetExponent
+
+
+def scale_from_amax(amax):
+    """The power-of-two scale for a largest finite magnitude `amax` (a float32 tensor)."""
+    exponent = torch.frexp(amax).exponent  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    # Clamped so that the scale and its reciprocal are finite fp32 numbers.
+    scale = torch.exp2((TARGET_EXPONENT - exponent).clamp(-126, 127).to(torch.float32))
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def finite_amax(src):
+    """Largest magnitude among the finite values of `src` (0 when there are none)."""
+    if src.numel() == 0:
+        return src.new_zeros(())
+    return src.abs().nan_to_num_(nan=0.0, posinf=0.0).amax()
+
+
+def compress(src, dtype):
+    scale = scale_from_amax(finite_amax(src)).reshape(1)
+    return (src * scale).to(dtype), scale
+
+
+def decompress(packed, scale):
+    return packed.float() / scale
+
+
+def decompress_add_(dst, packed, scale):
+    # Two roundings (divide, then add), as the kernels: they never fuse them.
+    return dst.add_((packed.float() / scale).view_as(dst))

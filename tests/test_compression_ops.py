@@ -1,0 +1,123 @@
+"""torch.ops.minddp.compress / decompress / decompress_add_ against the pure-torch reference.
+
+Every implementation (the reference itself, the CPU kernels, the CUDA kernels)
+must keep the error of compress -> decompress within 2^-10 (fp16) / 2^-7 (bf16)
+of the tensor's largest magnitude, keep inf/NaN, and the kernels must match the
+reference bit for bit (NaN payloads aside).
+"""
+import pytest
+import torch
+
+from minddp import compression
+from minddp import compression_reference as reference
+
+TOLERANCE = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+DTYPES = list(TOLERANCE)
+needs_extension = pytest.mark.skipif(not compression.HAVE_EXTENSION,
+                                     reason="minddp._C is not built")
+needs_cuda_kernels = pytest.mark.skipif(
+    not (torch.cuda.is_available() and compression.HAVE_EXTENSION and
+         compression.kernels_for("cuda") is torch.ops.minddp), reason="needs CUDA")
+
+IMPLEMENTATIONS = [
+    pytest.param(reference, "cpu", id="reference-cpu"),
+    pytest.param(torch.ops.minddp, "cpu", id="kernels-cpu", marks=needs_extension),
+    pytest.param(torch.ops.minddp, "cuda", id="kernels-cuda", marks=needs_cuda_kernels),
+]
+
+
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    cases = {f"randn*{m:g}-n{n}": torch.randn(n, generator=g) * m
+             for m in (1e-9, 1e-3, 1.0, 1e7) for n in (1, 7, 17, 1000)}
+    cases["wide-range"] = torch.logspace(-9, 7, 4099) * torch.randn(4099, generator=g).sign()
+    cases["zeros"] = torch.zeros(33)
+    cases["empty"] = torch.zeros(0)
+    cases["fp32-subnormal"] = torch.full((19,), 1e-40)
+    cases["big-2d"] = torch.randn(513, 1031, generator=g) * 3e4  # several threads' worth
+    special = torch.randn(1000, generator=g)
+    special[[3, 500, 999]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    cases["nan-inf"] = special
+    return cases
+
+
+CASES = inputs()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("ops,device", IMPLEMENTATIONS)
+def test_round_trip_error_and_specials(ops, device, name, dtype):
+    src = CASES[name].to(device)
+    packed, scale = ops.compress(src, dtype)
+    assert packed.dtype == dtype and packed.shape == src.shape
+    assert scale.dtype == torch.float32 and scale.shape == (1,) and scale.device == src.device
+    out = ops.decompress(packed, scale)
+    assert out.dtype == torch.float32 and out.shape == src.shape
+    finite = torch.isfinite(src)
+    torch.testing.assert_close(out[~finite], src[~finite], equal_nan=True)  # inf/NaN kept
+    if finite.any():
+        amax = src[finite].abs().max()
+        assert (out[finite] - src[finite]).abs().max() <= TOLERANCE[dtype] * amax
+        assert torch.isfinite(out[finite]).all()  # no overflow
+        assert (out[finite] != 0).sum() >= (src[finite].abs() > amax * 2.0 ** -20).sum()
+    acc = torch.ones_like(src)
+    ops.decompress_add_(acc, packed, scale)
+    torch.testing.assert_close(acc, 1 + out, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("ops,device", IMPLEMENTATIONS[1:])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset-view"])
+def test_kernels_match_reference_bitwise(ops, device, name, dtype, offset):
+    src = CASES[name].to(device).flatten()[offset:]  # a bucket's chunk may start anywhere
+    packed, scale = ops.compress(src, dtype)
+    ref_packed, ref_scale = reference.compress(src, dtype)
+    assert torch.equal(scale, ref_scale)
+    exact = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(packed, ref_packed, **exact)
+    torch.testing.assert_close(ops.decompress(packed, scale), reference.decompress(packed, scale),
+                               **exact)
+    dst = torch.randn(src.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    expected = reference.decompress_add_(dst.clone(), packed, scale)
+    assert ops.decompress_add_(dst, packed, scale) is dst
+    torch.testing.assert_close(dst, expected, **exact)
+
+
+@needs_extension
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda_kernels)])
+def test_bad_arguments_are_rejected_with_the_fix(device):
+    x = torch.randn(8, 6, device=device)
+    with pytest.raises(RuntimeError, match=r"contiguous.*\.contiguous\(\)"):
+        torch.ops.minddp.compress(x.t(), torch.float16)
+    with pytest.raises(RuntimeError, match=r"float32.*\.float\(\)"):
+        torch.ops.minddp.compress(x.double(), torch.float16)
+    with pytest.raises(RuntimeError, match="torch.float16 or torch.bfloat16"):
+        torch.ops.minddp.compress(x, torch.int8)
+    packed, scale = torch.ops.minddp.compress(x, torch.float16)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.minddp.decompress(packed.t(), scale)
+    with pytest.raises(RuntimeError, match="dst must be float32"):
+        torch.ops.minddp.decompress_add_(x.half(), packed, scale)
+    with pytest.raises(RuntimeError, match="dst must be contiguous"):
+        torch.ops.minddp.decompress_add_(x.t(), packed, scale)
+    with pytest.raises(RuntimeError, match="pass the chunk that was compressed"):
+        torch.ops.minddp.decompress_add_(x[:4], packed, scale)
+    with pytest.raises(RuntimeError, match="one-element float32"):
+        torch.ops.minddp.decompress(packed, scale.double())
+
+
+@needs_cuda_kernels
+def test_cuda_ops_never_synchronise_with_the_host():
+    x = torch.randn(1 << 20, device="cuda")
+    x[1:].mul_(1e-3)  # unaligned views take the element-wise path
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for view in (x, x[1:]):
+            packed, scale = torch.ops.minddp.compress(view, torch.float16)
+            torch.ops.minddp.decompress_add_(view, packed, scale)
+            torch.ops.minddp.decompress(packed, scale)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
