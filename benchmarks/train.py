@@ -16,8 +16,7 @@ history.json and train.png to --out. `--resume` continues from latest.pt on the
 same trajectory as an uninterrupted run.
 
 `--compare` trains the same seeds under torch DDP and each minddp flavour
-(native, ring, tree, ring+fp16; flavours this build lacks are reported absent),
-overlays their loss curves in compare.png and prints a final-loss table.
+(train_compare.py), overlays their loss curves and prints a final-loss table.
 
 Loss normalisation: each optimizer step's loss is the mean over the step's
 real tokens on this rank, so N accumulated micro-batches give exactly the
@@ -42,16 +41,11 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_utils as tu  # noqa: E402
-from measure import Progress, format_table, init_distributed  # noqa: E402
+from measure import Progress, init_distributed  # noqa: E402
+from train_compare import compare  # noqa: E402
 from workloads import DummyTextDataset, SimpleTransformer, lm_loss  # noqa: E402
 
 import minddp  # noqa: E402
-
-# --compare: (row name, --ddp, --algorithm, --compression)
-FLAVOURS = [("torch_ddp", "torch", "auto", None), ("minddp_native", "minddp", "native", None),
-            ("minddp_ring", "minddp", "ring", None), ("minddp_tree", "minddp", "tree", None),
-            ("minddp_ring_fp16", "minddp", "ring", "fp16")]
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -105,11 +99,19 @@ def flavour(args):
 
 
 def wrap(model, args, device):
-    """torch DDP or minddp around `model`; minddp raises NotImplementedError for a
-    flavour this build lacks (on every rank alike, before any communication)."""
+    """torch DDP or minddp around `model`.
+
+    minddp checks its arguments on every rank alike before any communication,
+    so a flavour it lacks (NotImplementedError) or refuses (ValueError) raises
+    tu.FlavourUnavailable everywhere at once and the world stays usable.
+    """
     kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
     if args.ddp == "minddp":
-        return minddp.DDP(model, algorithm=args.algorithm, compression=args.compression, **kwargs)
+        try:
+            return minddp.DDP(model, algorithm=args.algorithm, compression=args.compression,
+                              **kwargs)
+        except (NotImplementedError, ValueError) as e:
+            raise tu.FlavourUnavailable(f"{flavour(args)}: {e}") from e
     ddp = TorchDDP(model, **kwargs)
     if args.compression:
         hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
@@ -256,44 +258,6 @@ def run(args, rank, world_size, device):
     return history
 
 
-def compare(args, rank, world_size, device):
-    """Every flavour in FLAVOURS on the same seeds; overlay plot and final-loss table."""
-    histories, rows = {}, []
-    for name, ddp, algorithm, compression in FLAVOURS:
-        sub = argparse.Namespace(**{**vars(args), "ddp": ddp, "algorithm": algorithm,
-                                    "compression": compression, "compare": False,
-                                    "resume": False, "out": os.path.join(args.out, name)})
-        if rank == 0:
-            print(f"== {name}", flush=True)
-        try:
-            history = run(sub, rank, world_size, device)
-        except NotImplementedError as e:
-            rows.append({"name": name, "absent": str(e)})
-            continue
-        histories[name] = history
-        last = history["epochs"][-1]
-        rows.append({"name": name, "seconds": sum(e["seconds"] for e in history["epochs"]),
-                     "train_loss": last["train_loss"], "val_loss": last["val_loss"]})
-    ref = next((r["val_loss"] for r in rows if r["name"] == "torch_ddp"), None)
-    for row in rows:
-        if "val_loss" in row and ref:
-            row["val_rel_diff"] = abs(row["val_loss"] - ref) / abs(ref)
-    if rank == 0:
-        tu.write_history(os.path.join(args.out, "compare.json"), {"rows": rows})
-        tu.plot_overlay(histories, os.path.join(args.out, "compare.png"))
-        print(f"\n{args.epochs} epochs, {args.samples} samples, batch {args.batch_size} x "
-              f"{world_size} ranks on {device.type}; final epoch's losses")
-        print(format_table(rows, [("name", "flavour", "{}"), ("seconds", "time s", "{:.1f}"),
-                                  ("train_loss", "train loss", "{:.6f}"),
-                                  ("val_loss", "val loss", "{:.6f}"),
-                                  ("val_rel_diff", "val vs torch", "{:.2e}")]))
-        for row in rows:
-            if "absent" in row:
-                print(f"absent: {row['name']}: {row['absent']}")
-        print(f"wrote {args.out}/compare.json and compare.png")
-    return rows
-
-
 def main(argv=None):
     args = parse_args(argv)
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one
@@ -302,7 +266,7 @@ def main(argv=None):
     rank, world_size, device = init_distributed(args.device)
     try:
         if args.compare:
-            compare(args, rank, world_size, device)
+            compare(args, rank, world_size, device, run)
         else:
             history = run(args, rank, world_size, device)
             if rank == 0 and history["epochs"]:
@@ -310,6 +274,8 @@ def main(argv=None):
                 print(f"{history['label']}: final train loss {last['train_loss']:.6f}, val loss "
                       f"{last['val_loss']:.6f}, {sum(e['seconds'] for e in history['epochs']):.1f}s"
                       f" training; wrote {args.out}/")
+    except tu.FlavourUnavailable as e:
+        raise SystemExit(str(e)) from e
     finally:
         dist.destroy_process_group()
 

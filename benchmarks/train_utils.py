@@ -19,6 +19,10 @@ TRAJECTORY_KEYS = ("epochs", "batch_size", "accumulate", "samples", "val_samples
                    "weight_decay", "warmup_steps", "clip", "seed", "world_size")
 
 
+class FlavourUnavailable(RuntimeError):
+    """This build of minddp lacks or refuses the --algorithm/--compression pair."""
+
+
 class WarmupCosine:
     """LR multiplier for LambdaLR: linear from `start` to 1 over `warmup` steps,
     then cosine from 1 down to 0 at `total` steps (the course's LinearLR +

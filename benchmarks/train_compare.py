@@ -1,0 +1,70 @@
+"""`train.py --compare`: the same training under torch DDP and every minddp flavour.
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/train.py --compare
+
+Each flavour trains from the same seeds (initial weights, data order, dropout
+masks), one after the other in one process group, into OUT/<flavour>/. Then
+rank 0 writes OUT/compare.png (training and validation loss overlaid) and
+OUT/compare.json, and prints the final losses with each flavour's relative
+difference from torch DDP. A flavour this build of minddp lacks is listed as
+absent with minddp's reason, not run.
+"""
+import argparse
+import os
+
+import train_utils as tu
+from measure import format_table
+from train_utils import FlavourUnavailable
+
+# (row name, --ddp, --algorithm, --compression)
+FLAVOURS = [("torch_ddp", "torch", "auto", None),
+            ("minddp_native", "minddp", "native", None),
+            ("minddp_ring", "minddp", "ring", None),
+            ("minddp_tree", "minddp", "tree", None),
+            ("minddp_native_fp16", "minddp", "native", "fp16"),
+            ("minddp_ring_fp16", "minddp", "ring", "fp16")]
+
+COLUMNS = [("name", "flavour", "{}"), ("seconds", "time s", "{:.1f}"),
+           ("train_loss", "train loss", "{:.6f}"), ("val_loss", "val loss", "{:.6f}"),
+           ("val_rel_diff", "val vs torch", "{:.2e}")]
+
+
+def compare(args, rank, world_size, device, train_one):
+    """Run `train_one(args, rank, world_size, device)` (train.run) for every flavour;
+    a flavour it refuses with FlavourUnavailable is reported absent.
+
+    Every rank calls it. Returns the table's rows: name, seconds, train_loss
+    (mean of the last epoch), val_loss (last epoch), val_rel_diff (against
+    torch_ddp); or name and absent (the reason) for a flavour minddp lacks.
+    """
+    histories, rows = {}, []
+    for name, ddp, algorithm, compression in FLAVOURS:
+        flavour_args = argparse.Namespace(**{
+            **vars(args), "ddp": ddp, "algorithm": algorithm, "compression": compression,
+            "compare": False, "resume": False, "out": os.path.join(args.out, name)})
+        if rank == 0:
+            print(f"== {name}", flush=True)
+        try:
+            history = train_one(flavour_args, rank, world_size, device)
+        except FlavourUnavailable as e:  # raised on every rank alike: safe to go on
+            rows.append({"name": name, "absent": str(e)})
+            continue
+        histories[name] = history
+        last = history["epochs"][-1]
+        rows.append({"name": name, "seconds": sum(e["seconds"] for e in history["epochs"]),
+                     "train_loss": last["train_loss"], "val_loss": last["val_loss"]})
+    reference = next((r["val_loss"] for r in rows if r["name"] == "torch_ddp"), None)
+    for row in rows:
+        if "val_loss" in row and reference:
+            row["val_rel_diff"] = abs(row["val_loss"] - reference) / abs(reference)
+    if rank == 0:
+        tu.write_history(os.path.join(args.out, "compare.json"), {"rows": rows})
+        tu.plot_overlay(histories, os.path.join(args.out, "compare.png"))
+        print(f"\n{args.epochs} epochs, {args.samples} samples, batch {args.batch_size} x "
+              f"{world_size} ranks on {device.type}; losses of the last epoch")
+        print(format_table(rows, COLUMNS))
+        for row in rows:
+            if "absent" in row:
+                print(f"absent: {row['name']}: {row['absent']}")
+        print(f"wrote {args.out}/compare.json and {args.out}/compare.png", flush=True)
+    return rows
