@@ -164,22 +164,39 @@ class DistributedDataParallel(nn.Module):
             buffers = list(self.module.buffers())
             if buffers:
                 broadcast_from_first(buffers, self.process_group)
+        self._check_parameters_unchanged()
         outputs = self.module(*inputs, **kwargs)
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         if synced:
             self.reducer.prepare(outputs)
+        elif torch.is_grad_enabled():
+            self.reducer.prepare_local()
         self._sync_buffers_next = synced
         return outputs
+
+    def _check_parameters_unchanged(self):
+        trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        if len(trainable) != len(self.reducer.params) or any(
+                p is not q for (_, p), q in zip(trainable, self.reducer.params)):
+            known = {id(p) for p in self.reducer.params}
+            added = [n for n, p in trainable if id(p) not in known] or ["(a parameter's "
+                                                                       "requires_grad changed)"]
+            raise RuntimeError(
+                f"minddp (rank {self.reducer.rank}): the module's trainable parameters changed "
+                f"after it was wrapped: {', '.join(added)}. minddp buckets parameters once, at "
+                f"construction; finish building (and freezing) the model, then wrap it.")
 
     @contextlib.contextmanager
     def no_sync(self):
         """Inside, backward accumulates gradients locally; the next synced step reduces them."""
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
+        self.reducer.in_no_sync = True
         try:
             yield
         finally:
             self.require_backward_grad_sync = previous
+            self.reducer.in_no_sync = not previous
 
     def register_comm_hook(self, state, hook):
         """Use `hook(state, bucket) -> Future[Tensor]` to reduce each bucket (torch's protocol).

@@ -14,6 +14,8 @@ One iteration, as the reducer sees it:
 A parameter that never got its gradient leaves its bucket unlaunched; that is
 reported at the next forward, naming the parameters and the rank.
 """
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -57,6 +59,9 @@ class Reducer:
         self._started = False       # the first gradient hook of this backward has run
         self._unused_at_forward = []
         self._unfinished = None     # error for the next forward, if one iteration broke
+        self._mode = None           # what the last forward was: "sync", "local" or "done"
+        self.in_no_sync = False
+        self._warned_late_backward = False
         self.iterations = 0         # backward passes finalized
         self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i))
                          for i, p in enumerate(self.params)]
@@ -80,18 +85,43 @@ class Reducer:
         """Arm the reducer for the backward of `outputs` (called by every synced forward)."""
         self.check_finished()
         self._armed, self._started = True, False
+        self._mode = "sync"
         self._unused_at_forward = []
         if self.find_unused:
             reached = reached_parameters(outputs)
             self._unused_at_forward = [i for i, p in enumerate(self.params)
                                        if id(p) not in reached]
 
+    def prepare_local(self, in_no_sync=True):
+        """A forward under no_sync(): its backward accumulates locally."""
+        self._mode = "local"
+        self.in_no_sync = in_no_sync
+
     # -- backward ----------------------------------------------------------------
     def _hook_for(self, index):
         def hook(param):
             if self._armed:
                 self._on_ready(index)
+            else:
+                self._on_local(index)
         return hook
+
+    def _on_local(self, index):
+        """A gradient outside a synced backward: fine under no_sync, a mistake otherwise."""
+        if self._mode == "local":
+            if not self.in_no_sync and not self._warned_late_backward:
+                self._warned_late_backward = True
+                warnings.warn(f"minddp (rank {self.rank}): this backward belongs to a forward "
+                              f"that ran inside no_sync(), so it accumulates locally although "
+                              f"no_sync() has exited; the next synced backward reduces it. Run "
+                              f"the backward inside no_sync() too to make that explicit.")
+            return
+        raise RuntimeError(
+            f"minddp (rank {self.rank}): parameter '{self.names[index]}' got a gradient from a "
+            f"backward pass with no wrapper forward of its own ("
+            f"{'the previous synced backward already consumed it' if self._mode == 'done' else 'the module was called directly'}"
+            f"). Its gradients would not be synchronised. Call the wrapper (ddp(inputs)) "
+            f"before each backward; do not call backward twice on one forward's graph.")
 
     def _start_backward(self):
         self._started = True
@@ -175,6 +205,7 @@ class Reducer:
 
     def _write_back(self):
         self._armed, self._started = False, False
+        self._mode = "done"
         if self._next < len(self.buckets):
             missing = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
             self._unfinished = (

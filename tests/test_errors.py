@@ -4,6 +4,8 @@ Where a mistake is on one rank only (a different model), every rank must
 raise, not just the one that differs: otherwise the others hang in the next
 collective.
 """
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -116,3 +118,36 @@ def test_comm_hook_misuse():
     assert "rank 1" in wrong and "returned a tensor of 1 elements" in wrong, wrong
     assert "before the first backward" in after_backward
     assert "must be callable" in not_callable
+
+
+def _misuse(rank, world_size):
+    ddp = minddp.DDP(DeepNet())
+    x = batch("deep", rank, 0)[0]
+    out = ddp(x).sum()
+    out.backward(retain_graph=True)
+    twice = _error_of(out.backward)
+    fresh = minddp.DDP(DeepNet())
+    direct = _error_of(lambda: fresh.module(x).sum().backward())
+
+    with ddp.no_sync():
+        late = ddp(x).sum()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        late.backward()
+    outside_no_sync = [str(w.message) for w in caught]
+
+    ddp.module.extra = nn.Linear(2, 2)
+    added = _error_of(ddp, x)
+
+    sparse = minddp.DDP(nn.Embedding(10, 3, sparse=True))
+    sparse_error = _error_of(lambda: sparse(torch.tensor([[1, 2]])).sum().backward())
+    return twice, direct, outside_no_sync, added, sparse_error
+
+
+def test_misuse_during_training():
+    twice, direct, outside_no_sync, added, sparse = run_world(_misuse, 2)[1]
+    assert "rank 1" in twice and "already consumed" in twice and "twice" in twice, twice
+    assert "called directly" in direct and "ddp(inputs)" in direct, direct
+    assert len(outside_no_sync) == 1 and "inside no_sync()" in outside_no_sync[0]
+    assert "changed after it was wrapped: extra.weight, extra.bias" in added, added
+    assert "sparse gradient" in sparse and "'weight'" in sparse, sparse

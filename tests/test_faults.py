@@ -45,7 +45,11 @@ def _fault(rank, world_size, when, victim):
             t0 = time.monotonic()
             out.square().mean().backward()
     except Exception as e:  # noqa: BLE001 - what each survivor saw is the result
-        return time.monotonic() - t0, str(e)
+        elapsed = time.monotonic() - t0
+        # Linger: the store that names the peer lives in rank 0's process, and a
+        # survivor that is a moment slower to fail still needs to read it.
+        time.sleep(1)
+        return elapsed, str(e)
     return None, "no error"
 
 
