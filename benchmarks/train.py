@@ -30,6 +30,7 @@ import itertools
 import math
 import os
 import shutil
+import socket
 import sys
 import time
 
@@ -42,7 +43,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_utils as tu  # noqa: E402
 from measure import Progress, init_distributed  # noqa: E402
-from train_compare import compare  # noqa: E402
+from train_compare import FLAVOURS, compare, parse_flavour  # noqa: E402
 from workloads import DummyTextDataset, SimpleTransformer, lm_loss  # noqa: E402
 
 import minddp  # noqa: E402
@@ -64,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="output directory (default results/train, "
                    "or results/train_compare with --compare)")
     p.add_argument("--compare", action="store_true", help="torch DDP vs every minddp flavour")
+    p.add_argument("--flavours", default=",".join(FLAVOURS),
+                   help="--compare's rows, comma-separated (default: %(default)s)")
     p.add_argument("--device", choices=["cpu", "cuda"],
                    default="cuda" if torch.cuda.is_available() else "cpu")
     # The course's sizes by default; smaller ones make tests and smoke runs quick.
@@ -86,6 +89,12 @@ def parse_args(argv=None):
         args.out = os.path.join("results", "train_compare" if args.compare else "train")
     if args.accumulate < 1 or args.batch_size < 1 or args.epochs < 1:
         p.error("--epochs, --batch-size and --accumulate must be at least 1")
+    args.flavours = [f for f in args.flavours.split(",") if f]
+    for name in args.flavours:
+        try:
+            parse_flavour(name)
+        except ValueError as e:
+            p.error(str(e))
     if args.ddp == "torch" and args.algorithm != "auto":
         p.error(f"--algorithm {args.algorithm} chooses minddp's all-reduce; torch DDP has its own "
                 f"(use --ddp minddp, or drop --algorithm)")
@@ -187,7 +196,7 @@ def run(args, rank, world_size, device):
         raise SystemExit("--amp needs CUDA: autocast fp16 with GradScaler is a GPU recipe "
                          "(drop --amp on CPU)")
     config = {k: v for k, v in vars(args).items()
-              if k not in ("out", "resume", "compare", "stop_after", "device")}
+              if k not in ("out", "resume", "compare", "flavours", "stop_after", "device")}
     config["world_size"] = world_size
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)  # the same initial weights on every rank and flavour
@@ -234,12 +243,14 @@ def run(args, rank, world_size, device):
         start = time.perf_counter()
         done = len(history["train"])
         train_epoch(ddp, loader, optimizer, scheduler, scaler, args, rank, epoch, history, device)
+        train_seconds = time.perf_counter() - start
         val_loss = validate(ddp.module, val_loader, args, device)
         seconds = time.perf_counter() - start
         losses = [s["loss"] for s in history["train"][done:]]
         history["val"].append({"step": len(history["train"]), "epoch": epoch + 1,
                                "loss": val_loss})
         history["epochs"].append({"epoch": epoch + 1, "seconds": seconds,
+                                  "samples_per_s": len(sampler) * world_size / train_seconds,
                                   "train_loss": sum(losses) / len(losses), "val_loss": val_loss})
         is_best, best = val_loss < best, min(best, val_loss)
         if rank == 0:
@@ -253,7 +264,8 @@ def run(args, rank, world_size, device):
             tu.write_history(os.path.join(args.out, "history.json"), history)
             tu.plot_history(history, os.path.join(args.out, "train.png"))
             print(f"epoch {epoch + 1}/{args.epochs}: train {history['epochs'][-1]['train_loss']:.4f}"
-                  f"  val {val_loss:.4f}{' (best)' if is_best else ''}  {seconds:.1f}s", flush=True)
+                  f"  val {val_loss:.4f}{' (best)' if is_best else ''}  {seconds:.1f}s"
+                  f"  ({history['epochs'][-1]['samples_per_s']:.1f} samples/s)", flush=True)
     dist.barrier()  # rank 0's files are written before any rank moves on
     return history
 
@@ -261,8 +273,11 @@ def run(args, rank, world_size, device):
 def main(argv=None):
     args = parse_args(argv)
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(port)))
     rank, world_size, device = init_distributed(args.device)
     try:
         if args.compare:

@@ -7,7 +7,8 @@ masks), one after the other in one process group, into OUT/<flavour>/. Then
 rank 0 writes OUT/compare.png (training and validation loss overlaid) and
 OUT/compare.json, and prints the final losses with each flavour's relative
 difference from torch DDP. A flavour this build of minddp lacks is listed as
-absent with minddp's reason, not run.
+absent with minddp's reason, not run. `--flavours` picks the rows, e.g.
+`--flavours torch_ddp,minddp_ring,minddp_ring_fp16,torch_ddp_fp16`.
 """
 import argparse
 import os
@@ -16,15 +17,27 @@ import train_utils as tu
 from measure import format_table
 from train_utils import FlavourUnavailable
 
-# (row name, --ddp, --algorithm, --compression)
-FLAVOURS = [("torch_ddp", "torch", "auto", None),
-            ("minddp_native", "minddp", "native", None),
-            ("minddp_ring", "minddp", "ring", None),
-            ("minddp_tree", "minddp", "tree", None),
-            ("minddp_native_fp16", "minddp", "native", "fp16"),
-            ("minddp_ring_fp16", "minddp", "ring", "fp16")]
+# Default rows: "torch_ddp[_fp16|_bf16]" or "minddp_<algorithm>[_fp16|_bf16]".
+FLAVOURS = ["torch_ddp", "minddp_native", "minddp_ring", "minddp_tree", "minddp_ring_fp16"]
+
+
+def parse_flavour(name):
+    """A row name as (--ddp, --algorithm, --compression): "minddp_ring_fp16" ->
+    ("minddp", "ring", "fp16"), "torch_ddp" -> ("torch", "auto", None)."""
+    rest, compression = name, None
+    for suffix in ("_fp16", "_bf16"):
+        if rest.endswith(suffix):
+            rest, compression = rest[:-len(suffix)], suffix[1:]
+    if rest == "torch_ddp":
+        return "torch", "auto", compression
+    if rest.startswith("minddp_") and len(rest) > len("minddp_"):
+        return "minddp", rest[len("minddp_"):], compression
+    raise ValueError(f"--flavours: {name!r} is not torch_ddp[_fp16|_bf16] or "
+                     f"minddp_<algorithm>[_fp16|_bf16] (e.g. minddp_ring_fp16)")
+
 
 COLUMNS = [("name", "flavour", "{}"), ("seconds", "time s", "{:.1f}"),
+           ("samples_per_s", "samples/s", "{:.1f}"),
            ("train_loss", "train loss", "{:.6f}"), ("val_loss", "val loss", "{:.6f}"),
            ("val_rel_diff", "val vs torch", "{:.2e}")]
 
@@ -33,12 +46,14 @@ def compare(args, rank, world_size, device, train_one):
     """Run `train_one(args, rank, world_size, device)` (train.run) for every flavour;
     a flavour it refuses with FlavourUnavailable is reported absent.
 
-    Every rank calls it. Returns the table's rows: name, seconds, train_loss
+    Every rank calls it. Returns the table's rows: name, seconds (training and
+    validation), samples_per_s (training, all ranks), train_loss
     (mean of the last epoch), val_loss (last epoch), val_rel_diff (against
     torch_ddp); or name and absent (the reason) for a flavour minddp lacks.
     """
     histories, rows = {}, []
-    for name, ddp, algorithm, compression in FLAVOURS:
+    for name in args.flavours:
+        ddp, algorithm, compression = parse_flavour(name)
         flavour_args = argparse.Namespace(**{
             **vars(args), "ddp": ddp, "algorithm": algorithm, "compression": compression,
             "compare": False, "resume": False, "out": os.path.join(args.out, name)})
@@ -51,7 +66,9 @@ def compare(args, rank, world_size, device, train_one):
             continue
         histories[name] = history
         last = history["epochs"][-1]
-        rows.append({"name": name, "seconds": sum(e["seconds"] for e in history["epochs"]),
+        epochs = history["epochs"]
+        rows.append({"name": name, "seconds": sum(e["seconds"] for e in epochs),
+                     "samples_per_s": sum(e["samples_per_s"] for e in epochs) / len(epochs),
                      "train_loss": last["train_loss"], "val_loss": last["val_loss"]})
     reference = next((r["val_loss"] for r in rows if r["name"] == "torch_ddp"), None)
     for row in rows:

@@ -175,7 +175,7 @@ def _compare(rank, world_size, out):
 
 def test_compare_reports_every_flavour(tmp_path):
     rows = run_world(_compare, 2, str(tmp_path), timeout=180)[0]
-    assert [r["name"] for r in rows] == [name for name, *_ in train_compare.FLAVOURS]
+    assert [r["name"] for r in rows] == train_compare.FLAVOURS
     by_name = {r["name"]: r for r in rows}
     assert by_name["torch_ddp"]["val_rel_diff"] == 0.0
     assert by_name["minddp_native"]["val_rel_diff"] <= 1e-5
@@ -199,6 +199,11 @@ def test_bad_settings_are_refused_with_the_fix():
         train.run(train.parse_args(TINY + ["--amp"]), 0, 1, torch.device("cpu"))
     with pytest.raises(SystemExit):
         train.parse_args(["--ddp", "torch", "--algorithm", "ring"])
+    with pytest.raises(SystemExit):
+        train.parse_args(["--compare", "--flavours", "torch_ddp,ring"])
+    assert train_compare.parse_flavour("minddp_halving_doubling_bf16") == (
+        "minddp", "halving_doubling", "bf16")
+    assert train_compare.parse_flavour("torch_ddp_fp16") == ("torch", "auto", "fp16")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
