@@ -53,13 +53,14 @@ def extension():
     # -ffp-contract=off: no FMA contraction, so decompress_add_ rounds twice
     # exactly like its pure-torch reference. No -march: the AVX-512 kernels are
     # picked at run time (csrc/cpu_kernels.h), the build runs on any x86-64.
-    cxx = ["-O3", "-std=c++17", "-ffp-contract=off"]
+    # No -std: torch adds the C++ standard its own headers need.
+    cxx = ["-O3", "-ffp-contract=off"]
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
     wants_cuda = torch.cuda.is_available() or os.environ.get("MINDDP_FORCE_CUDA") == "1"
     if wants_cuda and cuda_sources and CUDA_HOME is not None and torch.version.cuda is not None:
         ext = CUDAExtension("minddp._C", sources + cuda_sources,
                             define_macros=[("MINDDP_WITH_CUDA", None)],
-                            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17"]})
+                            extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]})
     else:
         ext = CppExtension("minddp._C", sources, extra_compile_args={"cxx": cxx})
     return [ext], {"build_ext": OptionalBuildExt.with_options(use_ninja=True)}

@@ -1,6 +1,10 @@
 // CPU implementations of the ops: checks, then the range kernels of cpu_kernels.h
 // split over threads (at::parallel_for) for inputs past a few hundred KiB.
 #include <ATen/Parallel.h>
+#include <c10/util/bit_cast.h>
+
+#include <atomic>
+#include <vector>
 
 #include "compress.h"
 #include "cpu_kernels.h"
@@ -12,6 +16,16 @@ namespace {
 // 64K elements (256 KiB of fp32) per task: big enough that the thread pool's
 // overhead vanishes, small enough that a 1 MiB bucket already uses 4 threads.
 constexpr int64_t kGrain = 1 << 16;
+constexpr int64_t kBlock = 1 << 14;  // compress: 64 KiB of fp32, stays in L2 between its two reads
+
+// Outputs from 8 MiB up are written with non-temporal stores (cpu_kernels.h):
+// a ring segment (1 MiB) is sent right away and should stay in cache, a
+// whole 25 MiB bucket or a benchmark's 64 MiB tensor will not.
+constexpr int64_t kStreamBytes = 8 << 20;
+
+bool streams(const void* out, int64_t bytes) {
+  return bytes >= kStreamBytes && reinterpret_cast<uintptr_t>(out) % 64 == 0;
+}
 
 float amax_range(const float* x, int64_t n) {
 #ifdef MINDDP_X86_AVX512
@@ -20,16 +34,18 @@ float amax_range(const float* x, int64_t n) {
   return amax_scalar(x, n);
 }
 
-template <bool BF16> void pack_range(const float* x, int64_t n, float scale, uint16_t* out) {
+template <bool BF16>
+void pack_range(const float* x, int64_t n, float scale, uint16_t* out, bool stream) {
 #ifdef MINDDP_X86_AVX512
-  if (cpu_has_avx512()) return pack_avx512<BF16>(x, n, scale, out);
+  if (cpu_has_avx512()) return pack_avx512<BF16>(x, n, scale, out, stream);
 #endif
   pack_scalar<BF16>(x, n, scale, out);
 }
 
-template <bool BF16, bool ADD> void unpack_range(const uint16_t* p, int64_t n, float inv, float* dst) {
+template <bool BF16, bool ADD>
+void unpack_range(const uint16_t* p, int64_t n, float inv, float* dst, bool stream) {
 #ifdef MINDDP_X86_AVX512
-  if (cpu_has_avx512()) return unpack_avx512<BF16, ADD>(p, n, inv, dst);
+  if (cpu_has_avx512()) return unpack_avx512<BF16, ADD>(p, n, inv, dst, stream);
 #endif
   unpack_scalar<BF16, ADD>(p, n, inv, dst);
 }
@@ -39,29 +55,51 @@ template <bool ADD> void unpack(const at::Tensor& packed, const at::Tensor& scal
   float* out = dst.data_ptr<float>();
   const float inv = 1.0f / scale.item<float>();  // exact: scales are powers of two
   const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  // Chunks start at multiples of kGrain elements, so an aligned start stays aligned.
+  const bool stream = !ADD && streams(out, dst.nbytes());
   at::parallel_for(0, packed.numel(), kGrain, [&](int64_t b, int64_t e) {
-    bf16 ? unpack_range<true, ADD>(p + b, e - b, inv, out + b)
-         : unpack_range<false, ADD>(p + b, e - b, inv, out + b);
+    bf16 ? unpack_range<true, ADD>(p + b, e - b, inv, out + b, stream)
+         : unpack_range<false, ADD>(p + b, e - b, inv, out + b, stream);
   });
 }
 
 }  // namespace
 
+// One pass in the common case: each 64 KiB block is packed right after its
+// maximum is taken, while it is still in cache, with the scale of the largest
+// magnitude seen so far by any thread. A block packed before a larger value
+// turned up is packed again at the end with the final scale, so the result
+// is exactly the two-pass one; at worst (growing magnitudes) it costs a second pass.
 std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& src, at::ScalarType dtype) {
   check_compress_args(src, dtype);
   const float* x = src.data_ptr<float>();
-  const int64_t n = src.numel();
-  const float amax = at::parallel_reduce(
-      0, n, kGrain, 0.0f,
-      [&](int64_t b, int64_t e, float m) { return std::max(m, amax_range(x + b, e - b)); },
-      [](float a, float b) { return std::max(a, b); });
-  const float scale = scale_from_amax(amax);
+  const int64_t n = src.numel(), blocks = (n + kBlock - 1) / kBlock;
   at::Tensor packed = at::empty(src.sizes(), src.options().dtype(dtype));
   auto* out = reinterpret_cast<uint16_t*>(packed.data_ptr());
-  const bool bf16 = dtype == at::kBFloat16;
-  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
-    bf16 ? pack_range<true>(x + b, e - b, scale, out + b)
-         : pack_range<false>(x + b, e - b, scale, out + b);
+  const bool bf16 = dtype == at::kBFloat16, stream = streams(out, packed.nbytes());
+  std::vector<float> used(blocks);  // the scale each block was packed with
+  auto pack_block = [&](int64_t b, float scale) {
+    const int64_t begin = b * kBlock, len = std::min(kBlock, n - begin);
+    bf16 ? pack_range<true>(x + begin, len, scale, out + begin, stream)
+         : pack_range<false>(x + begin, len, scale, out + begin, stream);
+    used[b] = scale;
+  };
+  // Non-negative floats order like their bit patterns: an integer max works.
+  std::atomic<uint32_t> seen{0};
+  at::parallel_for(0, blocks, kGrain / kBlock, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float m = amax_range(x + b * kBlock, std::min(kBlock, n - b * kBlock));
+      uint32_t prev = seen.load(std::memory_order_relaxed);
+      while (c10::bit_cast<uint32_t>(m) > prev &&
+             !seen.compare_exchange_weak(prev, c10::bit_cast<uint32_t>(m))) {}
+      pack_block(b, scale_from_amax(std::max(m, c10::bit_cast<float>(prev))));
+    }
+  });
+  const float scale = scale_from_amax(c10::bit_cast<float>(seen.load()));
+  at::parallel_for(0, blocks, kGrain / kBlock, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      if (used[b] != scale) pack_block(b, scale);
+    }
   });
   return {packed, at::full({1}, scale, src.options())};
 }

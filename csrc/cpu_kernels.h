@@ -78,20 +78,25 @@ MINDDP_AVX512 inline __m256i bf16_rne(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+// stream: write around the caches (non-temporal stores) when the output is
+// too big to be read back from them: it saves reading each destination line
+// before writing it. The caller passes stream only for aligned outputs.
 template <bool BF16>
-MINDDP_AVX512 void pack_avx512(const float* x, int64_t n, float scale, uint16_t* out) {
+MINDDP_AVX512 void pack_avx512(const float* x, int64_t n, float scale, uint16_t* out, bool stream) {
   const __m512 s = _mm512_set1_ps(scale);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), s);
     __m256i h = BF16 ? bf16_rne(v) : _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
+    auto* o = reinterpret_cast<__m256i*>(out + i);
+    stream ? _mm256_stream_si256(o, h) : _mm256_storeu_si256(o, h);
   }
+  if (stream) _mm_sfence();  // order the streamed stores before the op returns
   pack_scalar<BF16>(x + i, n - i, scale, out + i);
 }
 
 template <bool BF16, bool ADD>
-MINDDP_AVX512 void unpack_avx512(const uint16_t* p, int64_t n, float inv, float* dst) {
+MINDDP_AVX512 void unpack_avx512(const uint16_t* p, int64_t n, float inv, float* dst, bool stream) {
   const __m512 s = _mm512_set1_ps(inv);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
@@ -99,8 +104,10 @@ MINDDP_AVX512 void unpack_avx512(const uint16_t* p, int64_t n, float inv, float*
     __m512 v = BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
                     : _mm512_cvtph_ps(h);
     v = _mm512_mul_ps(v, s);
-    _mm512_storeu_ps(dst + i, ADD ? _mm512_add_ps(_mm512_loadu_ps(dst + i), v) : v);
+    if (ADD) v = _mm512_add_ps(_mm512_loadu_ps(dst + i), v);
+    stream ? _mm512_stream_ps(dst + i, v) : _mm512_storeu_ps(dst + i, v);
   }
+  if (stream) _mm_sfence();
   unpack_scalar<BF16, ADD>(p + i, n - i, inv, dst + i);
 }
 

@@ -15,7 +15,6 @@ The kernels are torch.ops.minddp.* from the extension minddp._C where it has a
 kernel for the tensor's device, else the pure-torch reference
 (compression_reference.py): same numbers, slower; minddp says so once.
 """
-import inspect
 import math
 import warnings
 
@@ -117,16 +116,25 @@ def native_all_reduce(tensor, group, codec):
     return codec.decode_(tensor, [packed, common])
 
 
-def all_reduce_job(impl, compression):
-    """`job(tensor, group)` that all-reduces through the algorithm module `impl` with compression.
+def _is_native(algorithm):
+    from minddp import algorithms
+    return algorithms.resolve(algorithm) is algorithms.ALGORITHMS["native"]
 
-    Algorithms whose `all_reduce` takes a codec (ring, tree) decode per hop;
-    others (the backend's native one) get compress, 16-bit sum, decompress.
+
+def all_reduce_job(algorithm, group, compression):
+    """The wrapper's per-bucket `job(bucket, group)` for `algorithm` with compression.
+
+    Every rank of `group` must call it at the same time ("auto" measures the
+    links). The backend's native all-reduce cannot decode per hop, so it gets
+    compress -> 16-bit sum -> decompress (`native_all_reduce`); every other
+    algorithm runs through `algorithms.planner` with the codec on each hop.
     """
+    from minddp import algorithms
+
     codec = Codec(compression)
-    if "codec" in inspect.signature(impl.all_reduce).parameters:
-        return lambda tensor, group: impl.all_reduce(tensor, group, codec=codec)
-    return lambda tensor, group: native_all_reduce(tensor, group, codec)
+    if _is_native(algorithm):
+        return lambda bucket, group: native_all_reduce(bucket, group, codec)
+    return algorithms.planner(algorithm, group, codec=codec)
 
 
 def all_reduce(tensor, algorithm="ring", group=None, compression="fp16"):
@@ -138,4 +146,7 @@ def all_reduce(tensor, algorithm="ring", group=None, compression="fp16"):
     from minddp import algorithms
 
     group = group if group is not None else dist.group.WORLD
-    return all_reduce_job(algorithms.resolve(algorithm), compression)(tensor, group)
+    codec = Codec(compression)
+    if _is_native(algorithm):
+        return native_all_reduce(tensor, group, codec)
+    return algorithms.resolve(algorithm).all_reduce(tensor, group, codec=codec)

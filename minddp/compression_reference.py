@@ -22,8 +22,10 @@ TARGET_EXPONENT = 15  # csrc/scale.h: kTargetExponent
 def scale_from_amax(amax):
     """The power-of-two scale for a largest finite magnitude `amax` (a float32 tensor)."""
     exponent = torch.frexp(amax).exponent  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
-    # Clamped so that the scale and its reciprocal are finite fp32 numbers.
-    scale = torch.exp2((TARGET_EXPONENT - exponent).clamp(-126, 127).to(torch.float32))
+    # Clamped so that the scale and its reciprocal are finite fp32 numbers; the
+    # power of two is assembled from its exponent bits, exact on every device.
+    k = (TARGET_EXPONENT - exponent).clamp(-126, 127).to(torch.int32)
+    scale = ((k + 127) << 23).view(torch.float32)
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 

@@ -84,7 +84,7 @@ class DistributedDataParallel(nn.Module):
         impl = algorithms.resolve(algorithm)
         job = getattr(impl, "all_reduce_async", impl.all_reduce)
         if compression is not None:
-            job = compressing.all_reduce_job(impl, compression)
+            job = compressing.all_reduce_job(algorithm, self.comm_group, compression)
         used_job = algorithms.ALGORITHMS["native"].all_reduce_async
         self.reducer = Reducer(
             named, world_size=self.world_size, rank=rank,

@@ -35,6 +35,13 @@ def inputs():
     cases["empty"] = torch.zeros(0)
     cases["fp32-subnormal"] = torch.full((19,), 1e-40)
     cases["big-2d"] = torch.randn(513, 1031, generator=g) * 3e4  # several threads' worth
+    # The CPU kernel packs 64 KiB blocks with the largest value seen so far and
+    # re-packs those that a later, larger value made stale: magnitudes that grow
+    # along the tensor, and one outlier at its very end.
+    cases["growing"] = torch.logspace(-9, 7, 300_001) * torch.randn(300_001, generator=g).sign()
+    outlier = torch.randn(300_001, generator=g)
+    outlier[-1] = 1e6
+    cases["outlier-last"] = outlier
     special = torch.randn(1000, generator=g)
     special[[3, 500, 999]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
     cases["nan-inf"] = special

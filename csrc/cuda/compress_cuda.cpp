@@ -1,6 +1,6 @@
 // CUDA glue: checks, device guard, current stream, then the raw-pointer
 // launchers of compress_kernels.cu. Builds only where torch has CUDA.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "../compress.h"
@@ -24,7 +24,7 @@ std::tuple<at::Tensor, at::Tensor> compress_cuda(const at::Tensor& src, at::Scal
   check_launch(launch_compress(src.data_ptr<float>(), src.numel(), dtype == at::kBFloat16,
                                packed.data_ptr(), scale.data_ptr<float>(),
                                reinterpret_cast<unsigned int*>(workspace.data_ptr<int>()),
-                               at::cuda::getCurrentCUDAStream()),
+                               c10::cuda::getCurrentCUDAStream()),
                "minddp.compress");
   return {packed, scale};
 }
@@ -35,7 +35,7 @@ static void unpack(const char* op, const at::Tensor& packed, const at::Tensor& s
   check_launch(launch_decompress(packed.data_ptr(), packed.numel(),
                                  packed.scalar_type() == at::kBFloat16, scale.data_ptr<float>(),
                                  dst.data_ptr<float>(), accumulate,
-                                 at::cuda::getCurrentCUDAStream()),
+                                 c10::cuda::getCurrentCUDAStream()),
                op);
 }
 
