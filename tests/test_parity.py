@@ -35,7 +35,7 @@ def _train_both(rank, world_size, name, steps=3, torch_kwargs=None, ours_kwargs=
     torch_kwargs = dict(torch_kwargs or {})
     ours_kwargs = dict(ours_kwargs or {})
     ref = TorchDDP(copy.deepcopy(model), **torch_kwargs)
-    ours = minddp.DDP(copy.deepcopy(model), algorithm="native", **ours_kwargs)
+    ours = minddp.DDP(copy.deepcopy(model), **{"algorithm": "native", **ours_kwargs})
     ref_hook = hook if ref_hook == "same" else ref_hook
     if ref_hook is not None:
         ref.register_comm_hook(None, ref_hook)
@@ -84,6 +84,19 @@ def _assert_ranks_equal(flat_params):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_deep_model_every_world_size(world_size):
     _assert_ranks_equal(run_world(_train_both, world_size, "deep"))
+
+
+# Our own algorithms (native is covered above); auto picks per bucket size, and
+# tiny buckets on 3 ranks give many sizes and the non-power-of-two paths.
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "halving_doubling", "auto"])
+@pytest.mark.parametrize("world_size, kwargs", [
+    (3, {"bucket_cap_mb": 0.002}),
+    (2, {"find_unused_parameters": True, "gradient_as_bucket_view": True})],
+    ids=["3-ranks-tiny-buckets", "2-ranks-unused-bucket-view"])
+def test_each_algorithm(algorithm, world_size, kwargs):
+    name = "branch" if kwargs.get("find_unused_parameters") else "deep"
+    ours = dict(kwargs, algorithm=algorithm)
+    _assert_ranks_equal(run_world(_train_both, world_size, name, 3, kwargs, ours))
 
 
 @pytest.mark.parametrize("name", ["batchnorm", "tied", "frozen"])

@@ -1,33 +1,58 @@
 """All-reduce algorithms, one module each, behind one calling convention.
 
-Every algorithm module provides `all_reduce(tensor, group) -> tensor`: an in-place
-sum over `group`, called by every rank of the group with a tensor of the same
-shape and dtype, returning the same tensor. A module may also provide
-`all_reduce_async(tensor, group) -> Future` when the backend can run it without
-a thread of ours (the native one).
+Every algorithm module provides `all_reduce(tensor, group, codec=None) ->
+tensor`: an in-place sum over `group`, called by every rank of the group with
+a tensor of the same shape and dtype, returning the same tensor. `codec`
+(compression) routes every hop through encode/decode (see p2p.py); the
+backend's own all-reduce ("native") takes none, and also offers
+`all_reduce_async(tensor, group) -> Future`.
+
+    ring              reduce-scatter + all-gather, 2(p-1) steps, bandwidth-optimal
+    tree              binary-tree reduce + broadcast, 2 log p steps, pipelined
+    halving_doubling  recursive halving + doubling, 2 log p steps, bandwidth-optimal
+    native            the backend's all-reduce (gloo / NCCL)
+    auto              per bucket, the one the measured cost model predicts fastest
 """
 import torch.distributed as dist
 
-from minddp.algorithms import native
+from minddp.algorithms import auto, native
 
-# name -> module. Algorithms written on point-to-point ops register here.
-ALGORITHMS = {"native": native}
+ALGORITHMS = {"auto": auto, **auto.CANDIDATES}
 
-# Names the wrapper accepts; "auto" picks among ALGORITHMS.
-CHOICES = ("auto", "ring", "tree", "native")
+# Names the wrapper accepts.
+CHOICES = tuple(ALGORITHMS)
 
 
 def resolve(algorithm):
     """Return the module for an algorithm name, or raise a ValueError naming the choices."""
-    if algorithm == "auto":
-        return ALGORITHMS["native"]
-    if algorithm in ALGORITHMS:
-        return ALGORITHMS[algorithm]
-    if algorithm in CHOICES:
-        raise NotImplementedError(
-            f"minddp: algorithm={algorithm!r} is not implemented yet in this version; "
-            f"available: {sorted(ALGORITHMS)} or 'auto'")
-    raise ValueError(f"minddp: unknown algorithm {algorithm!r}; choose one of {list(CHOICES)}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"minddp: unknown algorithm {algorithm!r}; choose one of "
+                         f"{list(CHOICES)}")
+    return ALGORITHMS[algorithm]
+
+
+def planner(algorithm, group, codec=None):
+    """The wrapper's per-bucket job: `job(bucket, group) -> bucket or Future of it`.
+
+    Every rank of `group` must call it with the same arguments at the same
+    time: for "auto" it measures the links now (a collective). `codec` is
+    passed to every call (compression); "native" cannot take one.
+    """
+    resolve(algorithm)
+    if codec is not None and algorithm == "native":
+        raise ValueError("minddp: algorithm='native' runs the backend's own all-reduce, which "
+                         "cannot route hops through a codec; use 'ring', 'tree', "
+                         "'halving_doubling' or 'auto' with compression.")
+    chooser = auto.Chooser(group, with_native=codec is None) if algorithm == "auto" else None
+
+    def job(bucket, group):
+        name = chooser.pick(bucket) if chooser is not None else algorithm
+        if name == "native":
+            return native.all_reduce_async(bucket, group)
+        return ALGORITHMS[name].all_reduce(bucket, group, codec=codec)
+
+    job.__name__ = f"{algorithm}_all_reduce"
+    return job
 
 
 def all_reduce(tensor, algorithm="ring", group=None):

@@ -24,5 +24,8 @@ def _result_or_raise(tensor):
 
 def all_reduce(tensor, group):
     """In-place sum of `tensor` over `group` (every rank calls it); returns the tensor."""
+    if not tensor.is_contiguous():  # gloo would reduce the wrong elements of a strided view
+        tensor.copy_(all_reduce(tensor.contiguous(), group))
+        return tensor
     dist.all_reduce(tensor, group=group)
     return tensor

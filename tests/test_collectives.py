@@ -1,0 +1,235 @@
+"""All-reduce algorithms against the plain sum: exact, bitwise equal on every rank, right pattern.
+
+Spawning a world is the slow part, so one world per world size runs every
+case (algorithms x sizes x dtypes, segmented runs, codecs, non-contiguous
+input, the send pattern) and returns what the parent checks. Inputs are small
+integers, so every sum is exact in every dtype, whatever the order.
+"""
+import hashlib
+import logging
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import minddp
+from minddp import algorithms
+from minddp.algorithms import auto, cost_model, p2p, tree
+from dist_harness import run_world
+
+OURS = ["ring", "tree", "halving_doubling"]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+
+
+def _values(rank, numel, dtype):
+    # Small integers (0..10): sums over 8 ranks stay exact even in bfloat16.
+    return ((torch.arange(numel) * 7 + rank * 5) % 11).to(dtype)
+
+
+def _expected(world_size, numel, dtype):
+    return sum(_values(r, numel, torch.int64) for r in range(world_size)).to(dtype)
+
+
+def _digest(tensor):
+    return hashlib.sha1(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+class _IdentityCodec:
+    """Sends plain copies: proves every hop goes through encode/decode."""
+
+    def __init__(self):
+        self.calls = {"encode": 0, "decode_add_": 0, "decode_": 0}
+
+    def encode(self, chunk):
+        self.calls["encode"] += 1
+        return [chunk.clone()]
+
+    def decode_add_(self, dst, wire):
+        self.calls["decode_add_"] += 1
+        dst.add_(wire[0])
+
+    def decode_(self, dst, wire):
+        self.calls["decode_"] += 1
+        dst.copy_(wire[0])
+
+
+class _HalfCodec:
+    """Lossy, two wire tensors (fp16 payload and a scale), like the real codecs."""
+
+    def encode(self, chunk):
+        scale = chunk.abs().max().clamp(min=1) / 1024 if chunk.numel() else torch.ones(())
+        return [(chunk / scale).half(), scale.reshape(1)]
+
+    def decode_add_(self, dst, wire):
+        dst.add_(wire[0].float() * wire[1])
+
+    def decode_(self, dst, wire):
+        dst.copy_(wire[0].float() * wire[1])
+
+
+def _check_sums(rank, world_size, algorithm, sizes, dtypes):
+    for numel in sizes:
+        for dtype in dtypes:
+            tensor = _values(rank, numel, dtype)
+            out = minddp.all_reduce(tensor, algorithm=algorithm)
+            assert out is tensor, f"{algorithm} must return its input tensor"
+            expected = _expected(world_size, numel, dtype)
+            assert torch.equal(tensor, expected), (
+                f"{algorithm}, {numel} x {dtype} on {world_size} ranks: rank {rank} got "
+                f"{tensor[:8].tolist()}..., expected {expected[:8].tolist()}...")
+
+
+def _record_sends(rank, world_size):
+    """Per algorithm: the (op, peer) of every message this rank posts."""
+    original, log = p2p.Link._post, []
+
+    def recording(link, op, peer, tensors, tag):
+        log.extend((op, peer) for _ in tensors)
+        return original(link, op, peer, tensors, tag)
+
+    p2p.Link._post = recording
+    try:
+        pattern = {}
+        for algorithm in OURS:
+            log.clear()
+            minddp.all_reduce(_values(rank, 2 * world_size + 1, torch.float32), algorithm)
+            pattern[algorithm] = list(log)
+        return pattern
+    finally:
+        p2p.Link._post = original
+
+
+def _grid(rank, world_size):
+    sizes = [0, 1, max(world_size - 1, 1), 2 * world_size + 1, 1000]
+    for algorithm in OURS + ["auto"]:
+        _check_sums(rank, world_size, algorithm, sizes, DTYPES)
+        _check_sums(rank, world_size, algorithm, [(1 << 20) + 3], [torch.float32])
+    digests = {}
+    generator = torch.Generator().manual_seed(rank)
+    noise = torch.randn(4099, generator=generator)
+    # Tiny segments: the pipelined paths (many segments per chunk) on small data.
+    default_segments = p2p.SEGMENT_BYTES, tree.SEGMENT_BYTES
+    p2p.SEGMENT_BYTES, tree.SEGMENT_BYTES = 64, 64
+    for algorithm in OURS:
+        _check_sums(rank, world_size, algorithm, [1000, 4099], [torch.float32, torch.int64])
+        digests[algorithm] = _digest(minddp.all_reduce(noise.clone(), algorithm))
+        identity = _IdentityCodec()
+        tensor = _values(rank, 1000, torch.float32)
+        algorithms.ALGORITHMS[algorithm].all_reduce(tensor, None, codec=identity)
+        assert torch.equal(tensor, _expected(world_size, 1000, torch.float32)), algorithm
+        assert world_size == 1 or identity.calls["encode"] > 0, f"{algorithm} bypassed the codec"
+        lossy = algorithms.ALGORITHMS[algorithm].all_reduce(noise.clone(), None, codec=_HalfCodec())
+        digests[algorithm + "+codec"] = _digest(lossy)
+        # (Not torch.testing.assert_close: its first call imports sympy, seconds per rank.)
+        error = (lossy - minddp.all_reduce(noise.clone(), algorithm)).abs().max().item()
+        assert error < 0.05 * world_size, f"{algorithm} with an fp16 codec: error {error}"
+    p2p.SEGMENT_BYTES, tree.SEGMENT_BYTES = default_segments
+    job = algorithms.planner("auto", dist.group.WORLD, codec=_IdentityCodec())
+    tensor = _values(rank, 4099, torch.float32)
+    assert torch.equal(job(tensor, dist.group.WORLD), _expected(world_size, 4099, torch.float32))
+    for algorithm in OURS + ["auto"]:
+        base = _values(rank, 6 * (world_size + 3), torch.float32).reshape(6, -1)
+        minddp.all_reduce(base.t()[::2], algorithm)  # non-contiguous view: every other column
+        expected = _expected(world_size, base.numel(), torch.float32).reshape(6, -1)
+        expected[:, 1::2] = _values(rank, base.numel(), torch.float32).reshape(6, -1)[:, 1::2]
+        assert torch.equal(base, expected), f"{algorithm} on a non-contiguous view"
+    return {"digests": digests, "pattern": _record_sends(rank, world_size)}
+
+
+def _check_pattern(world_size, patterns):
+    p = world_size
+    q = 1 << (p.bit_length() - 1)
+    for r, pattern in enumerate(patterns):
+        ring = pattern["ring"]
+        assert [m for m in ring if m[0] == "send"] == [("send", (r + 1) % p)] * 2 * (p - 1), (
+            f"ring on {p} ranks: rank {r} sent {ring}")
+        assert {peer for op, peer in ring if op == "recv"} <= {(r - 1) % p}, ring
+        family = {(r - 1) // 2, 2 * r + 1, 2 * r + 2} - {-1}
+        expected_tree_sends = (r > 0) + len([c for c in (2 * r + 1, 2 * r + 2) if c < p])
+        sends = [peer for op, peer in pattern["tree"] if op == "send"]
+        assert set(sends) <= family and len(sends) == expected_tree_sends, (
+            f"tree on {p} ranks: rank {r} sent to {sends}")
+        extra = p - q
+        if r < 2 * extra and r % 2 == 0:
+            partners = {r + 1}
+        else:
+            v = r // 2 if r < 2 * extra else r - extra
+            partners = {2 * w + 1 if w < extra else w + extra
+                        for w in (v ^ (1 << i) for i in range(q.bit_length() - 1))}
+            partners |= {r - 1} if r < 2 * extra else set()
+        peers = {peer for _, peer in pattern["halving_doubling"]}
+        assert peers <= partners, f"halving_doubling on {p} ranks: rank {r} talked to {peers}"
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_every_size_dtype_and_pattern(world_size):
+    results = run_world(_grid, world_size, timeout=150)
+    for key, digest in results[0]["digests"].items():
+        differ = [r for r, res in enumerate(results) if res["digests"][key] != digest]
+        assert not differ, f"{key} on {world_size} ranks: ranks {differ} differ from rank 0"
+    if world_size > 1:
+        _check_pattern(world_size, [res["pattern"] for res in results])
+
+
+def _with_dead_peer(rank, world_size):
+    if rank == 2:
+        os._exit(1)  # a peer that dies before the collective
+    try:
+        minddp.all_reduce(torch.ones(1 << 16), "ring")
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_dead_peer_raises_naming_algorithm_and_peer():
+    messages = run_world(_with_dead_peer, 3, timeout=60, pg_timeout=20, expect_dead=(2,))
+    for rank, message in enumerate(messages[:2]):
+        assert f"ring all-reduce (rank {rank} of 3)" in message, message
+        assert "rank" in message and "timeout" in message, message
+    assert "receive from rank 2" in messages[0], messages[0]
+
+
+def test_refuses_sparse_and_unknown_names():
+    with pytest.raises(TypeError, match="dense"):
+        p2p.run("ring", None, torch.eye(3).to_sparse(), _FakeGroup(2))
+    with pytest.raises(ValueError, match="choose one of"):
+        minddp.all_reduce(torch.ones(2), algorithm="butterfly")
+    with pytest.raises(ValueError, match="codec"):
+        algorithms.planner("native", _FakeGroup(2), codec=_IdentityCodec())
+
+
+class _FakeGroup:
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return 0
+
+
+def test_cost_model_fit_and_choice(caplog):
+    sizes = [4, 1 << 10, 1 << 16, 1 << 20]
+    alpha, beta = cost_model.fit(sizes, [50e-6 + s * 1e-9 for s in sizes])
+    assert alpha == pytest.approx(50e-6) and beta == pytest.approx(1e-9)
+    costs = cost_model.Costs(alpha=50e-6, beta=1e-9, gamma=2e-10, native_alpha=1e-3,
+                             native_beta=5e-9)
+    # Few steps win small messages, bandwidth-optimal ones win large ones.
+    assert (cost_model.predict("tree", 4, 8, costs) <
+            cost_model.predict("ring", 4, 8, costs))
+    assert (cost_model.predict("ring", 64 << 20, 8, costs) <
+            cost_model.predict("tree", 64 << 20, 8, costs))
+    assert (cost_model.predict("halving_doubling", 1 << 20, 8, costs) <
+            cost_model.predict("ring", 1 << 20, 8, costs))
+    chooser = auto.Chooser(_FakeGroup(6), costs=costs)  # not a power of two: ring
+    with caplog.at_level(logging.DEBUG, logger="minddp.algorithms"):
+        assert chooser.pick(torch.empty(64 << 20, dtype=torch.uint8)) == "ring"
+        assert chooser.pick(torch.empty(64 << 20, dtype=torch.uint8)) == "ring"
+    assert len(caplog.records) == 1 and "-> ring" in caplog.text
+    # Without native, a codec-carrying auto never picks it, however cheap.
+    cheap_native = cost_model.Costs(50e-6, 1e-9, 2e-10, 0.0, 0.0)
+    assert auto.Chooser(_FakeGroup(4), with_native=False, costs=cheap_native).pick(
+        torch.empty(1)) != "native"
+    assert auto.Chooser(_FakeGroup(4), costs=cheap_native).pick(torch.empty(1)) == "native"
