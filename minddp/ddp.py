@@ -15,6 +15,7 @@ from minddp import algorithms
 from minddp import compression as compressing
 from minddp.comm import CommEngine
 from minddp.health import PeerProgress
+from minddp.join import Join
 from minddp.model_sync import broadcast_from_first, check_same_model
 from minddp.reducer import Reducer
 from minddp.timeline import from_environment
@@ -71,6 +72,7 @@ class DistributedDataParallel(nn.Module):
         # torch broadcasts buffers only in a forward that follows a synced
         # forward (its require_forward_param_sync); kept for exact parity.
         self._sync_buffers_next = True
+        self._join = None  # the active join() context, if any
         self.world_size = dist.get_world_size(group)
 
         settings = {"bucket_cap_mb": bucket_cap_mb, "algorithm": algorithm,
@@ -160,13 +162,16 @@ class DistributedDataParallel(nn.Module):
         self.reducer.check_finished()
         if self.device_ids:
             inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", _index(self.device_ids[0])))
-        if self.broadcast_buffers and self.world_size > 1 and self._sync_buffers_next:
-            buffers = list(self.module.buffers())
-            if buffers:
-                broadcast_from_first(buffers, self.process_group)
         self._check_parameters_unchanged()
-        outputs = self.module(*inputs, **kwargs)
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        buffers = (list(self.module.buffers()) if self.broadcast_buffers and
+                   self.world_size > 1 and self._sync_buffers_next else [])
+        source = 0
+        if self._join is not None:  # uneven inputs: tell the joined ranks what comes
+            source = self._join.before_forward(bool(buffers), synced)
+        if buffers:
+            broadcast_from_first(buffers, self.process_group, src=source)
+        outputs = self.module(*inputs, **kwargs)
         if synced:
             self.reducer.prepare(outputs)
         elif torch.is_grad_enabled():
@@ -185,6 +190,11 @@ class DistributedDataParallel(nn.Module):
                 f"minddp (rank {self.reducer.rank}): the module's trainable parameters changed "
                 f"after it was wrapped: {', '.join(added)}. minddp buckets parameters once, at "
                 f"construction; finish building (and freezing) the model, then wrap it.")
+
+    def join(self, divide_by_initial_world_size=True):
+        """Context manager for uneven inputs: ranks that run out of batches keep
+        matching the others' communication until every rank is done (join.py)."""
+        return Join(self, divide_by_initial_world_size)
 
     @contextlib.contextmanager
     def no_sync(self):

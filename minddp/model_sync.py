@@ -52,8 +52,8 @@ def check_same_model(named_params, settings, group):
                              f"{shown}. Pass the same arguments on every rank.")
 
 
-def broadcast_from_first(tensors, group, cap_bytes=64 * 1024 * 1024):
-    """Overwrite `tensors` on every rank with their values on the group's rank 0.
+def broadcast_from_first(tensors, group, cap_bytes=64 * 1024 * 1024, src=0):
+    """Overwrite `tensors` on every rank with their values on the group's rank `src` (0).
 
     Tensors are packed into flat buffers of one dtype and device (up to
     `cap_bytes` each) so a model costs a few broadcasts, not one per tensor.
@@ -71,7 +71,7 @@ def broadcast_from_first(tensors, group, cap_bytes=64 * 1024 * 1024):
                 size += t.numel() * t.element_size()
             if chunk and (t is None or size >= cap_bytes):
                 flat = torch.cat([c.detach().reshape(-1) for c in chunk])
-                dist.broadcast(flat, group=group, group_src=0)
+                dist.broadcast(flat, group=group, group_src=src)
                 offset = 0
                 with torch.no_grad():
                     for c in chunk:

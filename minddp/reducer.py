@@ -39,6 +39,7 @@ class Reducer:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.world_size, self.rank = world_size, rank
+        self.divisor = world_size  # what gradients are divided by (join() may lower it)
         self.find_unused = find_unused_parameters
         self.as_view = gradient_as_bucket_view
         self.describe = describe  # the algorithm, for error messages
@@ -165,10 +166,10 @@ class Reducer:
                                f"layer (e.g. nn.Embedding(sparse=False)).")
         elif self.as_view and grad.data_ptr() == view.data_ptr():
             if divide:
-                view.div_(self.world_size)  # already accumulated in place, in the bucket
+                view.div_(self.divisor)  # already accumulated in place, in the bucket
         else:
             if divide:
-                torch.mul(grad, 1.0 / self.world_size, out=view)  # divide while copying
+                torch.mul(grad, 1.0 / self.divisor, out=view)  # divide while copying
             else:
                 view.copy_(grad)
             if self.as_view:
@@ -262,6 +263,19 @@ class Reducer:
             raise RuntimeError(
                 f"minddp (rank {self.rank}): all-reduce of {what} with {via} failed in "
                 f"iteration {self.iterations}: {who}. Cause: {cause}") from e
+
+    def shadow_backward(self):
+        """Take part in the other ranks' backward with zero gradients (a rank that
+        has run out of inputs, see join.py): every bucket, in order, then the
+        used-parameter map. Leaves .grad alone."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+        futures = [self._launch(bucket) for bucket in self.buckets]
+        if self.find_unused:
+            self.used.zero_()
+            futures.append(self._reduce_used(self.used, "used-map"))
+        for i, future in enumerate(futures):
+            self._wait(future, f"bucket {i} (joined rank, zeros)")
 
     def communicate_only(self):
         """Reduce every bucket's current contents the way backward does, and wait.

@@ -1,0 +1,88 @@
+"""Uneven inputs: ranks that run out of batches early keep the others company.
+
+    with ddp.join():
+        for batch in my_batches:           # some ranks have fewer batches
+            loss_fn(ddp(batch)).backward()
+            optimizer.step()
+
+Without this, a rank that stops training leaves the others waiting in their
+next all-reduce until the timeout. Inside `join()`, every forward first
+all-reduces a small status vector (who is still training, and what this step
+will communicate). A rank that has left its loop ("joined") answers that
+vector with zeros and then shadows what the step announced, in the same
+order: the buffer broadcast, and every bucket's all-reduce with zero
+gradients. When a status vector comes back all zeros, every rank has joined;
+the parameters and buffers of a rank that trained until the end are then
+broadcast to all (a joined rank skipped its optimizer steps).
+
+Divisor: by default gradients are still divided by the full world size, as
+torch does (`divide_by_initial_world_size=True`): a joined rank counts as a
+rank with zero gradient. With False they are divided by the number of ranks
+still training in that step, i.e. the mean over the ranks that had data.
+"""
+import torch
+import torch.distributed as dist
+
+from minddp.model_sync import broadcast_from_first
+
+
+class Join:
+    """The context manager behind `DistributedDataParallel.join()`."""
+
+    def __init__(self, ddp, divide_by_initial_world_size=True):
+        self.ddp = ddp
+        self.divide_by_initial = divide_by_initial_world_size
+        self.group = ddp.process_group
+        self.world = ddp.world_size
+        self.rank = dist.get_rank(self.group)
+        self.last_active = None  # who trained in the latest step that had anyone
+
+    def __enter__(self):
+        self.ddp._join = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.ddp._join = None
+        if exc_type is not None:
+            return False  # the error matters more than keeping the others company
+        while True:
+            status = self._exchange(active=False, broadcast_buffers=False, sync=False)
+            if not status["anyone"]:
+                break
+            self._shadow(status)
+        if self.last_active is not None and self.world > 1:
+            model = self.ddp.module
+            broadcast_from_first([p.data for p in model.parameters()] + list(model.buffers()),
+                                 self.group, src=min(self.last_active))
+        self.ddp.reducer.divisor = self.world
+        return False
+
+    def before_forward(self, broadcast_buffers, sync):
+        """Called by a training rank's forward: announce the step; returns the rank
+        buffers come from (the lowest one still training)."""
+        status = self._exchange(active=True, broadcast_buffers=broadcast_buffers, sync=sync)
+        if not self.divide_by_initial:
+            self.ddp.reducer.divisor = len(status["active"])
+        return min(status["active"])
+
+    def _exchange(self, active, broadcast_buffers, sync):
+        flags = torch.zeros(self.world + 2, dtype=torch.int32)
+        if active:
+            flags[self.rank] = 1
+            flags[self.world] = int(broadcast_buffers)
+            flags[self.world + 1] = int(sync)
+        dist.all_reduce(flags, group=self.group)
+        ranks = [r for r in range(self.world) if flags[r] > 0]
+        if ranks:
+            self.last_active = ranks
+        return {"anyone": bool(ranks), "active": ranks,
+                "broadcast_buffers": flags[self.world].item() > 0,
+                "sync": flags[self.world + 1].item() > 0}
+
+    def _shadow(self, status):
+        """Match one step of the training ranks, with nothing of our own to add."""
+        if status["broadcast_buffers"]:
+            buffers = list(self.ddp.module.buffers())
+            broadcast_from_first(buffers, self.group, src=min(status["active"]))
+        if status["sync"]:
+            self.ddp.reducer.shadow_backward()
