@@ -29,7 +29,8 @@ def extension():
         return [], {}
 
     class OptionalBuildExt(BuildExtension):
-        """A failed compile leaves minddp without its kernels instead of failing the install."""
+        """A failed compile leaves minddp without its kernels instead of failing the install
+        (torch's ninja build raises errors that setuptools' `optional` does not catch)."""
 
         def build_extension(self, ext):
             try:
@@ -37,18 +38,6 @@ def extension():
             except Exception as e:  # noqa: BLE001 - the compiler's error, reported and skipped
                 print(f"minddp: WARNING: building {ext.name} failed ({e}); minddp will run on "
                       f"pure torch ops", file=sys.stderr)
-
-        def copy_extensions_to_source(self):
-            for ext in self.extensions:  # only those that built
-                if os.path.exists(self.get_ext_fullpath(ext.name)):
-                    self._copy_one(ext)
-
-        def _copy_one(self, ext):
-            saved, self.extensions = self.extensions, [ext]
-            try:
-                super().copy_extensions_to_source()
-            finally:
-                self.extensions = saved
 
     # -ffp-contract=off: no FMA contraction, so decompress_add_ rounds twice
     # exactly like its pure-torch reference. No -march: the AVX-512 kernels are
@@ -58,11 +47,11 @@ def extension():
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
     wants_cuda = torch.cuda.is_available() or os.environ.get("MINDDP_FORCE_CUDA") == "1"
     if wants_cuda and cuda_sources and CUDA_HOME is not None and torch.version.cuda is not None:
-        ext = CUDAExtension("minddp._C", sources + cuda_sources,
+        ext = CUDAExtension("minddp._C", sources + cuda_sources, optional=True,
                             define_macros=[("MINDDP_WITH_CUDA", None)],
                             extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]})
     else:
-        ext = CppExtension("minddp._C", sources, extra_compile_args={"cxx": cxx})
+        ext = CppExtension("minddp._C", sources, optional=True, extra_compile_args={"cxx": cxx})
     return [ext], {"build_ext": OptionalBuildExt.with_options(use_ninja=True)}
 
 
