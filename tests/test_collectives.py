@@ -85,7 +85,7 @@ def _record_sends(rank, world_size):
     original, log = p2p.Link._post, []
 
     def recording(link, op, peer, tensors, tag):
-        log.extend((op, peer) for _ in tensors)
+        log.extend((op, peer) for _ in tensors)  # one message per tensor
         return original(link, op, peer, tensors, tag)
 
     p2p.Link._post = recording

@@ -1,7 +1,7 @@
 """Alpha-beta cost model: predicts each algorithm's all-reduce time from measured link costs.
 
-    alpha  seconds per message (latency + per-call overhead), from send/recv ping-pongs
-    beta   seconds per byte on the wire, from the same ping-pongs at a larger size
+    alpha  seconds per step (latency + our per-step overhead), from send/recv exchanges
+    beta   seconds per byte on the wire, from the same exchanges at a larger size
     gamma  seconds per byte to add two buffers locally
     native_alpha, native_beta   a line fitted to the backend's own all-reduce
 The formulas are the ones in each algorithm's docstring. `measure(group)` is
@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from minddp.algorithms import tree
+from minddp.algorithms import p2p, tree
 
-SMALL, LARGE = 4, 1 << 20  # message sizes (bytes) of the measurements
+SMALL, LARGE = 4, 4 << 20  # message sizes (bytes) of the measurements
+TAG = 40  # p2p tag of the measurement exchanges
 
 
 @dataclass(frozen=True)
@@ -60,35 +61,41 @@ def fit(sizes, seconds):
     return max(mean_y - beta * mean_x, 0.0), beta
 
 
-def measure(group, repeats=7):
-    """Measure Costs on `group`; a collective (every rank calls it), a few milliseconds."""
+def measure(group, repeats=(15, 5)):
+    """Measure Costs on `group`; a collective (every rank calls it), about 0.1 s.
+
+    alpha and beta come from pairwise exchanges through the p2p helper (both
+    directions at once, as in a ring step, our Python overhead included), at a
+    small and a large size; the backend's all-reduce is timed at the same two
+    sizes, interleaved with them, so a busy moment slows both alike.
+    """
     rank, p = group.rank(), group.size()
-    partner = rank ^ 1  # ranks ping-pong in pairs (0, 1), (2, 3), ...; an odd one out waits
-    sizes = [SMALL, LARGE]
-    bufs = [torch.zeros(nbytes // 4) for nbytes in sizes]
-    one_way = [_median(lambda: _ping_pong(group, rank, partner, buf), repeats) / 2
-               if partner < p else 0.0 for buf in bufs]
-    alpha, beta = fit(sizes, one_way)
+    partner = rank ^ 1  # ranks exchange in pairs (0, 1), (2, 3), ...; an odd one out waits
+    exchange, native = [], []
+    for nbytes, reps in zip((SMALL, LARGE), repeats):
+        send, recv = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
+        link = p2p.Link("cost model", recv, group, None, p2p.SEGMENT_BYTES, rank, p)
+        times = _interleaved([lambda: partner < p and link.exchange(
+                                  [(partner, [send])], [(partner, recv)], "set", TAG),
+                              lambda: dist.all_reduce(send, group=group)], reps)
+        exchange.append(times[0] if partner < p else 0.0)
+        native.append(times[1])
+    alpha, beta = fit((SMALL, LARGE), exchange)
     a, b = torch.rand(LARGE // 4), torch.rand(LARGE // 4)
-    gamma = _median(lambda: a.add_(b), repeats) / LARGE
-    native = [_median(lambda: dist.all_reduce(buf, group=group), repeats) for buf in bufs]
-    native_alpha, native_beta = fit(sizes, native)
+    gamma = _interleaved([lambda: a.add_(b)], repeats[1])[0] / LARGE
+    native_alpha, native_beta = fit((SMALL, LARGE), native)
     agreed = torch.tensor([alpha, beta, gamma, native_alpha, native_beta], dtype=torch.float64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     return Costs(*agreed.tolist())
 
 
-def _ping_pong(group, rank, partner, buf):
-    first, second = (group.send, group.recv) if rank < partner else (group.recv, group.send)
-    first([buf], partner, 40).wait()
-    second([buf], partner, 40).wait()
-
-
-def _median(fn, repeats):
-    fn()  # warm-up: connections, allocator
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+def _interleaved(fns, repeats):
+    """Median seconds of each fn, run in turns after one untimed warm-up round."""
+    times = [[] for _ in fns]
+    for rep in range(repeats + 1):
+        for fn, mine in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            if rep:
+                mine.append(time.perf_counter() - start)
+    return [sorted(t)[len(t) // 2] for t in times]

@@ -34,7 +34,7 @@ import torch.distributed as dist
 # that adding one segment overlaps receiving the next (gloo uses ~1 MiB).
 SEGMENT_BYTES = 1 << 20
 
-_local = threading.local()  # per thread: scratch buffers, backends
+_local = threading.local()  # per thread: scratch buffers, group membership
 _wire_templates = weakref.WeakKeyDictionary()  # codec -> {(numel, dtype, device): wire shapes}
 
 
@@ -61,15 +61,16 @@ def run(algorithm, body, tensor, group, codec=None, segment_bytes=None):
         raise TypeError(f"minddp {algorithm} all-reduce (rank {group.rank()}): the tensor has "
                         f"layout {tensor.layout}; only dense tensors can be reduced, call "
                         f".to_dense() first.")
-    if group.size() == 1 or tensor.numel() == 0:
+    rank, size, backend = _membership(group)
+    if size == 1 or tensor.numel() == 0:
         return tensor
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
-    staged = work.is_cuda and _backend(group) == "gloo"
-    flat = work.view(-1)
+    flat = work if work.dim() == 1 else work.view(-1)
+    staged = work.is_cuda and backend == "gloo"
     if staged:
         flat = _scratch(work.numel(), work.dtype, torch.device("cpu"), "stage", pinned=True)
         flat.copy_(work.view(-1))
-    body(Link(algorithm, flat, group, codec, segment_bytes or SEGMENT_BYTES))
+    body(Link(algorithm, flat, group, codec, segment_bytes or SEGMENT_BYTES, rank, size))
     if staged:
         work.view(-1).copy_(flat)
     if work is not tensor:
@@ -80,17 +81,16 @@ def run(algorithm, body, tensor, group, codec=None, segment_bytes=None):
 class Link:
     """One all-reduce call as seen by one rank: its flat tensor, peers and codec."""
 
-    def __init__(self, algorithm, flat, group, codec, segment_bytes):
+    def __init__(self, algorithm, flat, group, codec, segment_bytes, rank, size):
         self.algorithm, self.flat, self.group, self.codec = algorithm, flat, group, codec
-        self.rank, self.size = group.rank(), group.size()
+        self.rank, self.size = rank, size
         self.numel = flat.numel()
         self.segment = max(1, segment_bytes // flat.element_size())
 
-    def view(self, start, end):
-        return self.flat[start:end]
-
     def segments(self, start, end):
         """Views of flat[start:end] cut into segments; an empty range gives no segment."""
+        if start == 0 and end == self.numel <= self.segment:
+            return [self.flat]  # the common small bucket: no slicing (each costs ~1 us)
         return [self.flat[s:min(s + self.segment, end)] for s in range(start, end, self.segment)]
 
     def wire(self, view, final=False, plain=False):
@@ -116,26 +116,33 @@ class Link:
         combined, may return more sends to post at once (a pipeline). Returns
         the received wires, in `recvs` order. Blocks until all are done.
         """
-        buffers = self._receive_buffers(recvs, mode, plain)
-        posted = [(peer, self._post("recv", peer, bufs, tag)) for (peer, _), bufs in
-                  zip(recvs, buffers)]
-        sent = [(peer, self._post("send", peer, wire, tag)) for peer, wire in sends]
-        for i, ((peer, works), (_, view), bufs) in enumerate(zip(posted, recvs, buffers)):
-            self._wait(works, "receive from", peer)
-            self._combine(view, bufs, mode, plain)
-            for peer, wire in (forward(i, bufs) if forward is not None else ()):
-                sent.append((peer, self._post("send", peer, wire, tag)))
-        for peer, works in sent:
-            self._wait(works, "send to", peer)
+        if not sends and not recvs:
+            return []
+        codec = None if plain else self.codec
+        buffers = self._receive_buffers(recvs, mode, codec)
+        posted = [self._post("recv", peer, bufs, tag) for (peer, _), bufs in zip(recvs, buffers)]
+        sent = [self._post("send", peer, wire, tag) for peer, wire in sends]
+        for i, (peer, view) in enumerate(recvs):
+            self._wait(posted[i])
+            if codec is not None:
+                (codec.decode_add_ if mode == "add" else codec.decode_)(view, buffers[i])
+            elif mode == "add":
+                view.add_(buffers[i][0])
+            if forward is not None:
+                sent += [self._post("send", to, wire, tag) for to, wire in forward(i, buffers[i])]
+        for works in sent:
+            self._wait(works)
         return buffers
 
     # -- internals --------------------------------------------------------------
-    def _receive_buffers(self, recvs, mode, plain):
-        if self.codec is not None and not plain:
+    def _receive_buffers(self, recvs, mode, codec):
+        if codec is not None:
             return [[torch.empty(shape, dtype=dtype, device=view.device)
                      for shape, dtype in self._wire_template(view)] for _, view in recvs]
         if mode == "set":
             return [[view] for _, view in recvs]  # received straight into place
+        if len(recvs) == 1:
+            return [[_scratch(recvs[0][1].numel(), self.flat.dtype, self.flat.device, "recv")]]
         scratch = _scratch(sum(v.numel() for _, v in recvs), self.flat.dtype, self.flat.device,
                            "recv")
         buffers, offset = [], 0
@@ -151,22 +158,19 @@ class Link:
             templates[key] = [(w.shape, w.dtype) for w in self.codec.encode(view)]
         return templates[key]
 
-    def _combine(self, view, bufs, mode, plain):
-        if self.codec is not None and not plain:
-            (self.codec.decode_add_ if mode == "add" else self.codec.decode_)(view, bufs)
-        elif mode == "add":
-            view.add_(bufs[0])
-
     def _post(self, op, peer, tensors, tag):
+        """Start sending or receiving `tensors`; returns (what, peer, works) for _wait."""
+        what = "send to" if op == "send" else "receive from"
         try:
             post = self.group.send if op == "send" else self.group.recv
-            return [post([t], peer, tag) for t in tensors]
+            return what, peer, [post([t], peer, tag) for t in tensors]
         except Exception as e:
-            raise self._error("send to" if op == "send" else "receive from", peer, e) from e
+            raise self._error(what, peer, e) from e
 
-    def _wait(self, works, what, peer):
+    def _wait(self, posted):
         # Work.wait() with no argument is bounded by the process group's
         # timeout, so a dead or stuck peer raises instead of hanging.
+        what, peer, works = posted
         try:
             for work in works:
                 work.wait()
@@ -182,11 +186,12 @@ class Link:
             f"peer's failure first, or raise the process group's timeout if it is just slow.")
 
 
-def _backend(group):
-    backends = _cache("backend")
-    if group not in backends:
-        backends[group] = dist.get_backend(group)
-    return backends[group]
+def _membership(group):
+    """(rank, size, backend name) of this process in `group`, looked up once per group."""
+    known = _cache("membership")
+    if group not in known:
+        known[group] = group.rank(), group.size(), dist.get_backend(group)
+    return known[group]
 
 
 def _cache(name):
@@ -196,12 +201,14 @@ def _cache(name):
 
 
 def _scratch(numel, dtype, device, purpose, pinned=False):
-    """A reusable buffer of at least `numel` elements (grown as needed), per thread."""
+    """A reusable buffer of `numel` elements (a view of one grown as needed), per thread."""
     buffers = _cache("scratch")
     key = (purpose, dtype, device)
-    buf = buffers.get(key)
-    if buf is None or buf.numel() < numel:
+    base, view = buffers.get(key, (None, None))
+    if view is not None and view.numel() == numel:
+        return view  # the same size as last time: skip slicing (~1 us)
+    if base is None or base.numel() < numel:
         pin = pinned and torch.cuda.is_available()
-        buf = torch.empty(max(numel, 1), dtype=dtype, device=device, pin_memory=pin)
-        buffers[key] = buf
-    return buf[:numel]
+        base = torch.empty(max(numel, 1), dtype=dtype, device=device, pin_memory=pin)
+    buffers[key] = base, base[:numel]
+    return buffers[key][1]

@@ -3,7 +3,8 @@
 Ranks form a binary heap: the parent of r is (r - 1) // 2, its children are
 2r + 1 and 2r + 2. Going up, each rank adds its children's data into its own
 and passes the sum to its parent; going down, each rank takes the total from
-its parent and passes it to its children. Large tensors are cut into segments
+its parent and passes it to its children; rank 0 turns each segment around
+as soon as it has summed it. Large tensors are cut into segments
 that flow through the tree one behind the other (a pipeline): a rank passes
 segment j on as soon as it has it, while segment j + 1 is still arriving.
 
@@ -18,7 +19,9 @@ broadcast copies it (with a codec, rank 0's encoding, decoded by all).
 """
 from minddp.algorithms import p2p
 
-UP, DOWN = 20, 21  # p2p tags, one per phase
+# One p2p tag: up and down messages travel in opposite directions, so between
+# two ranks each direction carries one phase only, in order.
+TAG = 20
 
 # Smaller than the ring's segments: the pipeline takes d extra steps to fill,
 # each the time of one segment.
@@ -36,17 +39,18 @@ def _tree(link):
     children = [c for c in (2 * r + 1, 2 * r + 2) if c < link.size]
     segments = link.segments(0, link.numel)
 
-    def pass_up(i, _):  # segment i // len(children) now holds its subtree's sum
-        if parent is None or i % len(children) != len(children) - 1:
+    def pass_on(i, _):  # segment i // len(children) now holds its subtree's sum
+        if i % len(children) != len(children) - 1:
             return []
-        return [(parent, link.wire(segments[i // len(children)]))]
+        view = segments[i // len(children)]
+        if parent is not None:
+            return [(parent, link.wire(view))]
+        final = link.wire(view, final=True)  # rank 0: the total, straight back down
+        return [(c, final) for c in children]
 
     recvs = [(c, view) for view in segments for c in children]
     leaf_sends = [(parent, link.wire(view)) for view in segments] if not children else []
-    link.exchange(leaf_sends, recvs, "add", UP, forward=pass_up)
-    if parent is None:
-        wires = [link.wire(view, final=True) for view in segments]
-        link.exchange([(c, wire) for wire in wires for c in children], [], "set", DOWN)
-    else:
-        link.exchange([], [(parent, view) for view in segments], "set", DOWN,
+    link.exchange(leaf_sends, recvs, "add", TAG, forward=pass_on)
+    if parent is not None:
+        link.exchange([], [(parent, view) for view in segments], "set", TAG,
                       forward=lambda _, wire: [(c, wire) for c in children])

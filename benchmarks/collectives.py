@@ -1,0 +1,181 @@
+"""All-reduce time vs message size: minddp's ring / tree / halving-doubling / auto vs the backend's.
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/collectives.py [--model]
+    (or: python -m torch.distributed.run ... with the same arguments)
+
+For each size (4 B .. 64 MiB of float32) every algorithm runs interleaved,
+repetition by repetition (rotating who goes first), after a barrier; a
+repetition's time is the slowest rank's. Reported: median time, algbw =
+bytes / time and busbw = algbw * 2(p-1)/p (nccl-tests' definitions), and the
+median over repetitions of time / native time (fair on a noisy machine).
+`--model` adds the alpha-beta cost model's prediction (costs measured at
+start-up, as `algorithm="auto"` does) and its relative error. Writes
+results/collectives_p{N}.json and .png; progress goes to stderr.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from measure import (Progress, format_table, init_distributed, median,  # noqa: E402
+                     pairwise_ratio, slowest_rank, sync)
+from minddp import algorithms  # noqa: E402
+from minddp.algorithms import auto, cost_model  # noqa: E402
+
+SIZES = [4, 64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20,
+         16 << 20, 25 << 20, 64 << 20]
+ALGORITHMS = ["native", "ring", "tree", "halving_doubling", "auto"]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="message bytes")
+    parser.add_argument("--algorithms", nargs="+", default=ALGORITHMS, choices=ALGORITHMS)
+    parser.add_argument("--budget", type=float, default=1.0,
+                        help="scales the repetitions (1.0: about a minute on 2 idle ranks)")
+    parser.add_argument("--model", action="store_true",
+                        help="print the alpha-beta prediction and its relative error")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--out", default="results")
+    return parser.parse_args(argv)
+
+
+def repetitions(nbytes, budget):
+    # Many for small messages (cheap, noisy), at least 20 for the largest.
+    return max(20, int(budget * 200 * (1 << 20) / max(nbytes, 1 << 20)))
+
+
+def make_runners(names, group, chooser):
+    """name -> fn(tensor): a blocking in-place all-reduce."""
+    runners = {}
+    for name in names:
+        if name == "native":
+            runners[name] = lambda t: dist.all_reduce(t, group=group)
+        elif name == "auto":
+            runners[name] = lambda t: algorithms.ALGORITHMS[chooser.pick(t)].all_reduce(t, group)
+        else:
+            runners[name] = lambda t, module=algorithms.ALGORITHMS[name]: module.all_reduce(t,
+                                                                                          group)
+    return runners
+
+
+def measure_size(nbytes, runners, reps, device):
+    """Per algorithm, the slowest rank's seconds per repetition (interleaved)."""
+    tensor = torch.zeros(max(1, nbytes // 4), device=device)  # zeros: sums never overflow
+    names = list(runners)
+    for name in names:  # warm-up: connections, scratch buffers
+        runners[name](tensor)
+    times = {name: [] for name in names}
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            dist.barrier()
+            sync(device)
+            start = time.perf_counter()
+            runners[name](tensor)
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: slowest_rank(t) for name, t in times.items()}
+
+
+def run(args, rank, world, device):
+    group = dist.group.WORLD
+    costs = cost_model.measure(group)
+    chooser = auto.Chooser(group, costs=costs)
+    runners = make_runners(args.algorithms, group, chooser)
+    progress = Progress(len(args.sizes), f"collectives p={world}", enabled=rank == 0)
+    rows = []
+    for nbytes in args.sizes:
+        reps = repetitions(nbytes, args.budget)
+        times = measure_size(nbytes, runners, reps, device)
+        for name in args.algorithms:
+            seconds = median(times[name])
+            row = {"algorithm": name, "bytes": nbytes, "world_size": world, "reps": reps,
+                   "time_us": seconds * 1e6, "algbw_gbs": nbytes / seconds / 1e9,
+                   "busbw_gbs": nbytes / seconds / 1e9 * 2 * (world - 1) / world,
+                   "ratio_to_native": (pairwise_ratio(times[name], times["native"])
+                                       if "native" in times else None),
+                   "picked": chooser.pick(torch.empty(nbytes // 4)) if name == "auto" else None}
+            model_name = row["picked"] or name
+            row["model_us"] = cost_model.predict(model_name, nbytes, world, costs) * 1e6
+            row["model_error"] = (row["model_us"] - row["time_us"]) / row["time_us"]
+            rows.append(row)
+        best = min(median(times[n]) for n in args.algorithms)
+        for row in rows[-len(args.algorithms):]:
+            row["ratio_to_best"] = row["time_us"] * 1e-6 / best
+        progress.step(f"{_human(nbytes)}: {reps} reps")
+    return rows, costs
+
+
+def _human(nbytes):
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def report(rows, costs, args, world):
+    columns = [("size", "size", "{}"), ("algorithm", "algorithm", "{}"),
+               ("time_us", "median us", "{:.1f}"), ("algbw_gbs", "algbw GB/s", "{:.3f}"),
+               ("busbw_gbs", "busbw GB/s", "{:.3f}"),
+               ("ratio_to_native", "/native (pairwise)", "{:.2f}"),
+               ("ratio_to_best", "/best", "{:.2f}"), ("picked", "auto picked", "{}")]
+    if args.model:
+        columns += [("model_us", "model us", "{:.1f}"), ("model_error", "model err", "{:+.0%}")]
+    shown = [dict(r, size=_human(r["bytes"])) for r in rows]
+    print(f"\nall-reduce of float32 on {world} ranks ({dist.get_backend()}, "
+          f"{torch.get_num_threads()} thread(s) per rank, {os.cpu_count()} cores); median over "
+          f"interleaved repetitions of the slowest rank's time.")
+    print(f"cost model: alpha {costs.alpha * 1e6:.1f} us, beta {costs.beta * 1e9:.3f} ns/B "
+          f"({1e-9 / max(costs.beta, 1e-30):.2f} GB/s), gamma {costs.gamma * 1e9:.3f} ns/B, "
+          f"native {costs.native_alpha * 1e6:.1f} us + {costs.native_beta * 1e9:.3f} ns/B")
+    print(format_table(shown, columns))
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"collectives_p{world}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"rows": rows, "costs": costs.__dict__, "world_size": world}, f, indent=1)
+    plot(rows, stem + ".png", world)
+    print(f"wrote {stem}.json and {stem}.png")
+
+
+def plot(rows, path, world):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in dict.fromkeys(r["algorithm"] for r in rows):
+        mine = [r for r in rows if r["algorithm"] == name]
+        sizes = [r["bytes"] for r in mine]
+        left.plot(sizes, [r["time_us"] for r in mine], marker="o", label=name)
+        if name != "native" and mine[0]["ratio_to_native"] is not None:
+            right.plot(sizes, [r["ratio_to_native"] for r in mine], marker="o", label=name)
+    left.set(xscale="log", yscale="log", xlabel="message bytes", ylabel="median time (us)",
+             title=f"all-reduce time, {world} ranks")
+    right.axhline(1.0, color="black", linewidth=1, linestyle="--")
+    right.set(xscale="log", xlabel="message bytes", ylabel="time / native (median of pairs)",
+              title="relative to the backend's all-reduce")
+    left.legend()
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    args = parse_args()
+    rank, world, device = init_distributed(args.device)
+    rows, costs = run(args, rank, world, device)
+    if rank == 0:
+        report(rows, costs, args, world)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
