@@ -160,6 +160,7 @@ def train_epoch(ddp, loader, optimizer, scheduler, scaler, args, rank, epoch, hi
     batches = iter(loader)
     for _ in range(steps):
         lr = optimizer.param_groups[0]["lr"]
+        tu.seed_step(args.seed, len(history["train"]), rank)
         loss, grad_norm = train_step(ddp, list(itertools.islice(batches, args.accumulate)),
                                      optimizer, scaler, args, device)
         scheduler.step()
@@ -234,11 +235,10 @@ def run(args, rank, world_size, device):
         history.update(train=state["history"]["train"], val=state["history"]["val"],
                        epochs=state["history"]["epochs"])
         if rank == 0:
-            print(f"resumed {latest} at epoch {first_epoch + 1}/{args.epochs}", flush=True)
+            print(f"resumed {latest}: {first_epoch} of {args.epochs} epochs done", flush=True)
 
     last_epoch = args.epochs if args.stop_after is None else min(args.epochs, args.stop_after)
     for epoch in range(first_epoch, last_epoch):
-        tu.seed_epoch(args.seed, epoch, rank)
         sampler.set_epoch(epoch)
         start = time.perf_counter()
         done = len(history["train"])

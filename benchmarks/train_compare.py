@@ -8,7 +8,8 @@ rank 0 writes OUT/compare.png (training and validation loss overlaid) and
 OUT/compare.json, and prints the final losses with each flavour's relative
 difference from torch DDP. A flavour this build of minddp lacks is listed as
 absent with minddp's reason, not run. `--flavours` picks the rows, e.g.
-`--flavours torch_ddp,minddp_ring,minddp_ring_fp16,torch_ddp_fp16`.
+`--flavours torch_ddp,minddp_ring,minddp_ring_fp16,torch_ddp_fp16`; with
+`--resume` each flavour continues from OUT/<flavour>/latest.pt where there is one.
 """
 import argparse
 import os
@@ -54,9 +55,13 @@ def compare(args, rank, world_size, device, train_one):
     histories, rows = {}, []
     for name in args.flavours:
         ddp, algorithm, compression = parse_flavour(name)
+        out = os.path.join(args.out, name)
+        # --resume continues an interrupted comparison: each flavour from its own
+        # latest checkpoint (a finished one just reloads its history).
+        resume = args.resume and os.path.exists(os.path.join(out, "latest.pt"))
         flavour_args = argparse.Namespace(**{
             **vars(args), "ddp": ddp, "algorithm": algorithm, "compression": compression,
-            "compare": False, "resume": False, "out": os.path.join(args.out, name)})
+            "compare": False, "resume": resume, "out": out})
         if rank == 0:
             print(f"== {name}", flush=True)
         try:

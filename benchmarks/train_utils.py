@@ -39,16 +39,18 @@ class WarmupCosine:
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def seed_epoch(seed, epoch, rank):
-    """Seed every RNG (CPU and CUDA) for one epoch of one rank.
+def seed_step(seed, step, rank):
+    """Seed every RNG (CPU and CUDA) for one optimizer step of one rank.
 
     Dropout draws from these generators, so torch DDP and minddp see the same
     masks when seeded alike; ranks get different streams, as independent
-    processes would. Reseeding per epoch (rather than saving and restoring each
-    rank's RNG state) is what lets a rank-0 checkpoint resume every rank on the
-    exact trajectory: the state at an epoch start is a function of (seed, epoch, rank).
+    processes would. Reseeding per step (rather than saving each rank's RNG
+    state) lets a rank-0 checkpoint resume every rank on the exact trajectory,
+    and keeps the masks the same even if something else draws from the global
+    generator between steps (DataLoader does at each epoch start; minddp's
+    algorithm="auto" does when it measures the links).
     """
-    torch.manual_seed((seed * 1_000_003 + epoch) * 1_009 + rank)
+    torch.manual_seed((seed * 1_000_003 + step) * 1_009 + rank)
 
 
 def token_count(labels):

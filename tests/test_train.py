@@ -169,12 +169,16 @@ def test_checkpoint_loads_into_torch_ddp(tmp_path):
 
 # -- --compare ---------------------------------------------------------------------
 def _compare(rank, world_size, out):
-    args = train.parse_args(TINY + ["--compare", "--epochs", "1", "--out", out])
-    return train_compare.compare(args, rank, world_size, torch.device("cpu"), train.run)
+    def compare(*flags):
+        args = train.parse_args(TINY + ["--compare", "--epochs", "1", "--out", out, *flags])
+        return train_compare.compare(args, rank, world_size, torch.device("cpu"), train.run)
+    return compare(), compare("--resume")
 
 
 def test_compare_reports_every_flavour(tmp_path):
-    rows = run_world(_compare, 2, str(tmp_path), timeout=180)[0]
+    rows, resumed = run_world(_compare, 2, str(tmp_path), timeout=180)[0]
+    # Every flavour had finished: --resume reloads the same results.
+    assert resumed == rows
     assert [r["name"] for r in rows] == train_compare.FLAVOURS
     by_name = {r["name"]: r for r in rows}
     assert by_name["torch_ddp"]["val_rel_diff"] == 0.0
