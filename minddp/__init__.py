@@ -3,9 +3,23 @@
     ddp = minddp.DistributedDataParallel(model)   # or minddp.DDP
     loss = ddp(batch).sum(); loss.backward()      # .grad is the mean over ranks
 """
-from minddp.algorithms import all_reduce
+from minddp import algorithms
+from minddp import compression as _compression
 from minddp.ddp import DistributedDataParallel
 
 DDP = DistributedDataParallel
+
+
+def all_reduce(tensor, algorithm="ring", group=None, compression=None):
+    """Sum `tensor` in place over `group` (default: the world) with `algorithm`; return it.
+
+    Every rank of the group must call it with a tensor of the same shape and
+    dtype. compression="fp16" | "bf16" sends float32 tensors as 16-bit values
+    and accumulates in fp32 (minddp.compression); the result is bitwise equal
+    on every rank.
+    """
+    if compression is None:
+        return algorithms.all_reduce(tensor, algorithm, group)
+    return _compression.all_reduce(tensor, algorithm, group, compression)
 
 __all__ = ["DDP", "DistributedDataParallel", "all_reduce"]

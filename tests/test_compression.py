@@ -66,7 +66,7 @@ def _all_reduce(rank, world_size, algorithm, kind, kernels):
         reduced = (compression.native_all_reduce(x.clone(), world, codec) if algorithm == "native"
                    else algorithms.resolve(algorithm).all_reduce(x.clone(), world, codec=codec))
     else:
-        reduced = compression.all_reduce(x.clone(), algorithm, compression=kind)
+        reduced = minddp.all_reduce(x.clone(), algorithm, compression=kind)
     job = compression.all_reduce_job(algorithm, world, kind)  # as the wrapper runs it
     ints = job(torch.arange(10) * (rank + 1), world)
     ints = ints.wait() if isinstance(ints, torch.futures.Future) else ints
