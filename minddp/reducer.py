@@ -110,6 +110,9 @@ class Reducer:
     def _on_local(self, index):
         """A gradient outside a synced backward: fine under no_sync, a mistake otherwise."""
         if self._mode == "local":
+            # Used under no_sync counts as used at the next synced step, as in
+            # torch: its accumulated gradient is in the bucket and must be kept.
+            self.used[index] = 1
             if not self.in_no_sync and not self._warned_late_backward:
                 self._warned_late_backward = True
                 warnings.warn(f"minddp (rank {self.rank}): this backward belongs to a forward "
@@ -135,7 +138,6 @@ class Reducer:
         self._used_future = None
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
-        self.used.zero_()
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         for index in self._unused_at_forward:
             self._mark_ready(index)
@@ -221,6 +223,7 @@ class Reducer:
         globally_used = None
         if self.find_unused:
             globally_used = self._wait(self._used_future, "the used-parameter map") > 0
+            self.used.zero_()  # the next accumulation starts afresh
         for index, (bucket, i) in self._where.items():
             if globally_used is not None and not globally_used[index]:
                 continue  # no rank used it: leave .grad as it was, as torch does
