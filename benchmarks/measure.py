@@ -25,7 +25,9 @@ def init_distributed(device="cpu"):
     """
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    # MINDDP_BENCH_THREADS: set by multinode.sh, whose "nodes" share this machine.
+    threads = os.environ.get("MINDDP_BENCH_THREADS")
+    torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // local_world))
     if device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda: torch has no CUDA device here")
