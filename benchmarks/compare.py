@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=2 benchmarks/compare.py                  # quick default mix
     torchrun --nproc_per_node=2 benchmarks/compare.py --workloads mlp --steps 30
     torchrun --nproc_per_node=1 benchmarks/compare.py --workloads transformer   # wrapper overhead
+    python benchmarks/compare.py --scaling      # 1, 2 and 4 ranks (see scaling.py)
 
 Every configuration (rows below) wraps its own copy of the same model, and
 they all run interleaved: step s of every configuration, in an order that
@@ -58,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--bucket-cap-mb", type=float, default=25)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", default="results", help="folder for compare.json and compare.png")
+    p.add_argument("--scaling", action="store_true",
+                   help="run with plain python: world sizes 1, 2, 4 via scaling.py")
     p.add_argument("--timeline", action="store_true",
                    help="record Chrome traces of the minddp rows (results/trace.*.json) and "
                         "report the overlap they show")
@@ -179,6 +182,10 @@ def run(args, rank, world_size, device):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--scaling" in argv:  # several worlds: scaling.py starts torchrun for each
+        import scaling
+        return scaling.main([a for a in argv if a != "--scaling"])
     args = parse_args(argv)
     rank, world_size, device = init_distributed(args.device)
     run(args, rank, world_size, device)

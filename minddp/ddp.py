@@ -83,9 +83,10 @@ class DistributedDataParallel(nn.Module):
         # A Chrome trace of this rank's buckets (timeline.py), if asked for.
         self.timeline = from_environment(rank, timeline)
         self.engine = CommEngine(self.comm_group, timeline=self.timeline)
-        impl = algorithms.resolve(algorithm)
-        job = getattr(impl, "all_reduce_async", impl.all_reduce)
-        if compression is not None:
+        # Per-bucket all-reduce; "auto" measures the links here (every rank at once).
+        if compression is None:
+            job = algorithms.planner(algorithm, self.comm_group)
+        else:
             job = compressing.all_reduce_job(algorithm, self.comm_group, compression)
         used_job = algorithms.ALGORITHMS["native"].all_reduce_async
         self.reducer = Reducer(
