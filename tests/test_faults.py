@@ -24,14 +24,25 @@ def _die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _fault(rank, world_size, when, victim):
+def _wait_for_survivors(rank, world_size, victim, meeting):
+    """Stay alive until every survivor has failed too. The store that names the
+    peer lives in rank 0's process; and on a tree a rank may only notice the
+    death through its parent, which must not vanish first. A file per rank
+    serves as the meeting point: the process group is broken by now."""
+    open(os.path.join(meeting, str(rank)), "w").close()
+    deadline = time.monotonic() + 2 * TIMEOUT
+    while time.monotonic() < deadline and len(os.listdir(meeting)) < world_size - 1:
+        time.sleep(0.05)
+
+
+def _fault(rank, world_size, when, victim, meeting, algorithm):
     doomed = rank == victim
     torch.distributed.barrier()  # every rank is past the harness's own set-up
     if doomed and when == "construction":
         _die()
     t0 = time.monotonic()
     try:
-        ddp = minddp.DDP(DeepNet(), bucket_cap_mb=0.002, timeout=TIMEOUT)
+        ddp = minddp.DDP(DeepNet(), bucket_cap_mb=0.002, timeout=TIMEOUT, algorithm=algorithm)
         for step in range(3):
             out = ddp(*batch("deep", rank, step))
             if doomed and step == 1 and when == "before_backward":
@@ -46,18 +57,19 @@ def _fault(rank, world_size, when, victim):
             out.square().mean().backward()
     except Exception as e:  # noqa: BLE001 - what each survivor saw is the result
         elapsed = time.monotonic() - t0
-        # Linger: the store that names the peer lives in rank 0's process, and a
-        # survivor that is a moment slower to fail still needs to read it.
-        time.sleep(1)
+        _wait_for_survivors(rank, world_size, victim, meeting)
         return elapsed, str(e)
     return None, "no error"
 
 
-@pytest.mark.parametrize("when, victim", [("construction", 2), ("before_backward", 2),
-                                          ("mid_backward", 1), ("stuck", 2),
-                                          ("before_backward", 0)])
-def test_survivors_raise_naming_the_peer(when, victim):
-    results = run_world(_fault, 3, when, victim, timeout=60, expect_dead=(victim,))
+@pytest.mark.parametrize("when, victim, algorithm", [
+    ("construction", 2, "auto"), ("before_backward", 2, "auto"), ("mid_backward", 1, "auto"),
+    ("stuck", 2, "auto"), ("before_backward", 0, "auto"),
+    ("before_backward", 2, "native"), ("before_backward", 2, "ring"),
+    ("before_backward", 2, "tree"), ("before_backward", 2, "halving_doubling")])
+def test_survivors_raise_naming_the_peer(when, victim, algorithm, tmp_path):
+    results = run_world(_fault, 3, when, victim, str(tmp_path), algorithm, timeout=60,
+                        expect_dead=(victim,))
     for rank, result in enumerate(results):
         if rank == victim:
             continue
@@ -68,7 +80,7 @@ def test_survivors_raise_naming_the_peer(when, victim):
         if when == "construction":
             assert "start-up agreement" in error, error
             continue
-        assert "bucket" in error and "algorithm 'auto'" in error, error
+        assert "bucket" in error and f"algorithm '{algorithm}'" in error, error
         if victim == 0:  # the store lives on rank 0: the peer cannot be named
             assert "rank 0 may be the one that died" in error, error
         elif when == "mid_backward":
