@@ -11,7 +11,8 @@ rotates, before step s+1 of any. A step is zero_grad, forward, loss, backward,
 SGD step; its time is the slowest rank's. Figures are medians over the measured
 steps; ratios and differences are medians of per-step pairs.
 
-Columns: step ms, samples/s (all ranks), ratio to torch_ddp, exposed
+Columns: step ms, samples/s (all ranks), ratio to torch_ddp and to no_comm
+(with one rank: what the wrapper itself costs), exposed
 communication (step - no_comm: what backward failed to hide), comm ms (the
 same bucket reductions run alone), hidden share (1 - exposed / comm), with
 --timeline the traced share (communication time inside backward spans), peak
@@ -41,6 +42,7 @@ from minddp.timeline import hidden_share  # noqa: E402
 COLUMNS = [("workload", "workload", "{}"), ("name", "config", "{}"),
            ("step_ms", "step ms", "{:.1f}"), ("samples_per_s", "samples/s", "{:.1f}"),
            ("ratio_to_torch_ddp", "vs torch_ddp", "{:.3f}"),
+           ("ratio_to_no_comm", "vs no_comm", "{:.3f}"),
            ("exposed_comm_ms", "exposed ms", "{:.1f}"), ("comm_ms", "comm ms", "{:.1f}"),
            ("hidden_share", "hidden", "{:.0%}"), ("trace_hidden_share", "traced", "{:.0%}"),
            ("peak_mem_mb", "peak MB", "{:.0f}"),
@@ -142,6 +144,7 @@ def summarise(config, steps, comm, samples, device):
     if "torch_ddp" in steps:
         row["ratio_to_torch_ddp"] = pairwise_ratio(mine, steps["torch_ddp"])
     if "no_comm" in steps and config.name != "no_comm":
+        row["ratio_to_no_comm"] = pairwise_ratio(mine, steps["no_comm"])
         exposed = pairwise_difference(mine, steps["no_comm"])
         row["exposed_comm_ms"] = exposed
         if comm.get(config.name):

@@ -56,6 +56,7 @@ class Timeline:
     def save(self):
         if self.path is None:
             return None
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with self._lock, open(self.path, "w") as f:
             json.dump({"traceEvents": self.events, "displayTimeUnit": "ms"}, f)
         return self.path
