@@ -1,10 +1,10 @@
-"""All-reduce time vs message size: minddp's ring / tree / halving-doubling / auto vs the backend's.
+"""All-reduce time vs message size: minddp's ring / tree / halving-doubling / auto vs the backend.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/collectives.py [--model]
     (or: python -m torch.distributed.run ... with the same arguments)
 
 For each size (4 B .. 64 MiB of float32) every algorithm runs interleaved,
-repetition by repetition (rotating who goes first), after a barrier; a
+repetition by repetition (in a fresh random order each time), after a barrier; a
 repetition's time is the slowest rank's. Reported: median time, algbw =
 bytes / time and busbw = algbw * 2(p-1)/p (nccl-tests' definitions), and the
 median over repetitions of time / native time (fair on a noisy machine).
@@ -15,6 +15,7 @@ results/collectives_p{N}.json and .png; progress goes to stderr.
 import argparse
 import json
 import os
+import random
 import sys
 import time
 
@@ -70,11 +71,14 @@ def measure_size(nbytes, runners, reps, device):
     """Per algorithm, the slowest rank's seconds per repetition (interleaved)."""
     tensor = torch.zeros(max(1, nbytes // 4), device=device)  # zeros: sums never overflow
     names = list(runners)
-    for name in names:  # warm-up: connections, scratch buffers
-        runners[name](tensor)
+    for _ in range(3):  # warm-up: connections, scratch buffers, caches
+        for name in names:
+            runners[name](tensor)
     times = {name: [] for name in names}
     for rep in range(reps):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
+        # A fresh order each repetition (the same on every rank): no algorithm
+        # always runs right after the same other one.
+        for name in random.Random(rep).sample(names, len(names)):
             dist.barrier()
             sync(device)
             start = time.perf_counter()

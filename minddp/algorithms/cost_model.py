@@ -1,7 +1,10 @@
 """Alpha-beta cost model: predicts each algorithm's all-reduce time from measured link costs.
 
-    alpha  seconds per step (latency + our per-step overhead), from send/recv exchanges
-    beta   seconds per byte on the wire, from the same exchanges at a larger size
+    alpha  seconds per step in which every rank sends and receives (ring and
+           halving-doubling steps), latency and our overhead included, from
+           pairwise send/recv exchanges
+    hop    seconds per one-way hop (a tree's steps), from send/recv round trips
+    beta   seconds per byte on the wire, from a ring all-reduce of a known volume
     gamma  seconds per byte to add two buffers locally
     native_alpha, native_beta   a line fitted to the backend's own all-reduce
 The formulas are the ones in each algorithm's docstring. `measure(group)` is
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from minddp.algorithms import p2p, tree
+from minddp.algorithms import p2p, ring, tree
 
 SMALL, LARGE = 4, 4 << 20  # message sizes (bytes) of the measurements
 TAG = 40  # p2p tag of the measurement exchanges
@@ -25,6 +28,7 @@ TAG = 40  # p2p tag of the measurement exchanges
 @dataclass(frozen=True)
 class Costs:
     alpha: float
+    hop: float
     beta: float
     gamma: float
     native_alpha: float
@@ -42,8 +46,9 @@ def predict(algorithm, nbytes, p, c):
     if algorithm == "tree":
         depth, fan = int(math.log2(p)), min(2, p - 1)
         k = math.ceil(nbytes / tree.SEGMENT_BYTES)
-        step = c.alpha + fan * nbytes / k * c.beta
-        return (depth + k - 1) * (2 * step + fan * nbytes / k * c.gamma)
+        segment = fan * nbytes / k
+        return ((2 * depth + k - 1) * (c.hop + segment * c.beta) +
+                (depth + k - 1) * segment * c.gamma)
     if algorithm == "halving_doubling":
         q = 1 << (p.bit_length() - 1)
         fold = 0.0 if q == p else 2 * c.alpha + nbytes * (2 * c.beta + c.gamma)
@@ -61,32 +66,51 @@ def fit(sizes, seconds):
     return max(mean_y - beta * mean_x, 0.0), beta
 
 
-def measure(group, repeats=(15, 5)):
+def measure(group, repeats=(15, 7)):
     """Measure Costs on `group`; a collective (every rank calls it), about 0.1 s.
 
-    alpha and beta come from pairwise exchanges through the p2p helper (both
-    directions at once, as in a ring step, our Python overhead included), at a
-    small and a large size; the backend's all-reduce is timed at the same two
-    sizes, interleaved with them, so a busy moment slows both alike.
+    alpha: small pairwise exchanges through the p2p helper (both directions at
+    once, as in a ring step, our Python overhead included); hop: small round
+    trips; beta: a ring all-reduce of LARGE bytes (send/recv of a known volume,
+    segmented and added as the algorithms do), less its alpha and gamma terms.
+    The backend's all-reduce is timed at both sizes, interleaved with ours, so
+    a busy moment slows both alike.
     """
     rank, p = group.rank(), group.size()
     partner = rank ^ 1  # ranks exchange in pairs (0, 1), (2, 3), ...; an odd one out waits
-    exchange, native = [], []
-    for nbytes, reps in zip((SMALL, LARGE), repeats):
-        send, recv = torch.zeros(nbytes // 4), torch.zeros(nbytes // 4)
-        link = p2p.Link("cost model", recv, group, None, p2p.SEGMENT_BYTES, rank, p)
-        times = _interleaved([lambda: partner < p and link.exchange(
-                                  [(partner, [send])], [(partner, recv)], "set", TAG),
-                              lambda: dist.all_reduce(send, group=group)], reps)
-        exchange.append(times[0] if partner < p else 0.0)
-        native.append(times[1])
-    alpha, beta = fit((SMALL, LARGE), exchange)
+    small, large = torch.zeros(SMALL // 4), torch.zeros(LARGE // 4)
+    link = p2p.Link("cost model", small, group, None, p2p.SEGMENT_BYTES, rank, p)
+    exchange, native_small = _interleaved(
+        [lambda: partner < p and link.exchange([(partner, [small])], [(partner, small)], "set",
+                                               TAG),
+         lambda: dist.all_reduce(small, group=group)], repeats[0])
+    alpha = exchange if partner < p else 0.0
+    hop = _round_trip(group, rank, partner, repeats[0]) / 2 if partner < p else 0.0
     a, b = torch.rand(LARGE // 4), torch.rand(LARGE // 4)
     gamma = _interleaved([lambda: a.add_(b)], repeats[1])[0] / LARGE
-    native_alpha, native_beta = fit((SMALL, LARGE), native)
-    agreed = torch.tensor([alpha, beta, gamma, native_alpha, native_beta], dtype=torch.float64)
+    ring_large, native_large = _interleaved([lambda: ring.all_reduce(large, group),
+                                             lambda: dist.all_reduce(large, group=group)],
+                                            repeats[1])
+    share = (p - 1) / p * LARGE
+    beta = max(0.0, (ring_large - 2 * (p - 1) * alpha - share * gamma) / (2 * share))
+    native_alpha, native_beta = fit((SMALL, LARGE), (native_small, native_large))
+    agreed = torch.tensor([alpha, hop, beta, gamma, native_alpha, native_beta],
+                          dtype=torch.float64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     return Costs(*agreed.tolist())
+
+
+def _round_trip(group, rank, partner, repeats):
+    """Seconds for a small message there and back, as the first of the pair sees it
+    (the second reports 0; the maximum over ranks keeps the first's)."""
+    buf = torch.zeros(1)
+    link = p2p.Link("cost model", buf, group, None, p2p.SEGMENT_BYTES, rank, group.size())
+    if rank < partner:  # like a tree's leaf: send, and wait for the answer
+        return _interleaved([lambda: link.exchange([(partner, [buf])], [(partner, buf)], "set",
+                                                   TAG)], repeats)[0]
+    _interleaved([lambda: (link.exchange([], [(partner, buf)], "set", TAG),
+                           link.exchange([(partner, [buf])], [], "set", TAG))], repeats)
+    return 0.0
 
 
 def _interleaved(fns, repeats):

@@ -9,8 +9,9 @@ that flow through the tree one behind the other (a pipeline): a rank passes
 segment j on as soon as it has it, while segment j + 1 is still arriving.
 
 Cost for n bytes on p ranks, tree depth d = floor(log2 p), k segments of n/k,
-fan-out f = min(2, p - 1) (a parent's link carries f segments per step):
-    T = 2 (d + k - 1) (alpha + f n/k beta) + (d + k - 1) f n/k gamma
+fan-out f = min(2, p - 1) (a parent's link carries f segments per step); the
+way down overlaps the way up (other direction of each link):
+    T = (2d + k - 1) (alpha + f n/k beta) + (d + k - 1) f n/k gamma
 With k = 1 that is 2d steps: the fewest of the algorithms for small messages.
 For large ones each rank moves about f n bytes each way, up to f times the ring's.
 
@@ -48,9 +49,15 @@ def _tree(link):
         final = link.wire(view, final=True)  # rank 0: the total, straight back down
         return [(c, final) for c in children]
 
-    recvs = [(c, view) for view in segments for c in children]
-    leaf_sends = [(parent, link.wire(view)) for view in segments] if not children else []
-    link.exchange(leaf_sends, recvs, "add", TAG, forward=pass_on)
+    if not children:
+        # A leaf sends everything up and takes each total as it comes back
+        # down. Receiving into the segments being sent is safe: the parent
+        # returns segment j only after all of ours has arrived.
+        link.exchange([(parent, link.wire(view)) for view in segments],
+                      [(parent, view) for view in segments], "set", TAG)
+        return
+    link.exchange([], [(c, view) for view in segments for c in children], "add", TAG,
+                  forward=pass_on)
     if parent is not None:
         link.exchange([], [(parent, view) for view in segments], "set", TAG,
                       forward=lambda _, wire: [(c, wire) for c in children])
