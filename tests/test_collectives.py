@@ -237,3 +237,16 @@ def test_cost_model_fit_and_choice(caplog):
     assert auto.Chooser(_FakeGroup(4), with_native=False, costs=cheap_native).pick(
         torch.empty(1)) != "native"
     assert auto.Chooser(_FakeGroup(4), costs=cheap_native).pick(torch.empty(1)) == "native"
+
+
+def _rng_untouched(rank, world_size):
+    model = torch.nn.Linear(4, 4)  # (building it draws from the RNG, so before seeding)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    minddp.DDP(model, algorithm="auto")  # measures the links
+    return torch.equal(torch.rand(3), expected)
+
+
+def test_auto_measurement_leaves_the_global_rng_alone():
+    assert run_world(_rng_untouched, 2) == [True, True]

@@ -86,7 +86,9 @@ def measure(group, repeats=(15, 7)):
          lambda: dist.all_reduce(small, group=group)], repeats[0])
     alpha = exchange if partner < p else 0.0
     hop = _round_trip(group, rank, partner, repeats[0]) / 2 if partner < p else 0.0
-    a, b = torch.rand(LARGE // 4), torch.rand(LARGE // 4)
+    # A private generator: measuring must not move the user's RNG (dropout masks).
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.rand(LARGE // 4, generator=g), torch.rand(LARGE // 4, generator=g)
     gamma = _interleaved([lambda: a.add_(b)], repeats[1])[0] / LARGE
     ring_large, native_large = _interleaved([lambda: ring.all_reduce(large, group),
                                              lambda: dist.all_reduce(large, group=group)],
