@@ -1,8 +1,9 @@
 """algorithm="auto": per bucket, the algorithm the cost model predicts to be fastest.
 
 A Chooser measures the links once (cost_model.measure, a collective on the
-group, a few milliseconds) and then decides from the bucket's size alone, so
-every rank picks the same algorithm for the same bucket without talking.
+group, 0.1-0.5 s; later groups over the same ranks and backend reuse it) and
+then decides from the bucket's size alone, so every rank picks the same
+algorithm for the same bucket without talking.
 Each new bucket size logs its choice once at debug level
 (logger "minddp.algorithms").
 """
@@ -19,6 +20,9 @@ CANDIDATES = {"ring": ring, "tree": tree, "halving_doubling": halving_doubling,
               "native": native}
 
 _choosers = {}  # (group, with_native) -> Chooser, for calls outside a wrapper
+# (global ranks, backend) -> Costs. Every rank of a group builds the same
+# groups in the same order, so all find (or all miss) the same entry.
+_measured = {}
 
 
 class Chooser:
@@ -26,7 +30,7 @@ class Chooser:
 
     def __init__(self, group, with_native=True, costs=None):
         self.p = group.size()
-        self.costs = costs if costs is not None or self.p == 1 else cost_model.measure(group)
+        self.costs = costs if costs is not None or self.p == 1 else _costs_of(group)
         # A codec can only ride on our own hops, not inside the backend's all-reduce.
         self.names = [n for n in CANDIDATES if with_native or n != "native"]
         self._picked = {}
@@ -43,6 +47,13 @@ class Chooser:
                       nbytes, self._picked[nbytes],
                       ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in predicted.items()))
         return self._picked[nbytes]
+
+
+def _costs_of(group):
+    key = (tuple(dist.get_process_group_ranks(group)), dist.get_backend(group))
+    if key not in _measured:
+        _measured[key] = cost_model.measure(group)
+    return _measured[key]
 
 
 def all_reduce(tensor, group=None, codec=None):
