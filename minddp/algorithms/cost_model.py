@@ -1,10 +1,9 @@
 """Alpha-beta cost model: predicts each algorithm's all-reduce time from measured link costs.
 
     alpha  seconds per step in which every rank sends and receives (ring and
-           halving-doubling steps), latency and our overhead included, from
-           pairwise send/recv exchanges
-    hop    seconds per one-way hop (a tree's steps), from send/recv round trips
-    beta   seconds per byte on the wire, from a ring all-reduce of a known volume
+           halving-doubling steps), latency and our overhead included
+    hop    seconds per one-way hop (a tree's steps)
+    beta   seconds per byte on the wire
     gamma  seconds per byte to add two buffers locally
     native_alpha, native_beta   a line fitted to the backend's own all-reduce
 The formulas are the ones in each algorithm's docstring. `measure(group)` is
@@ -19,10 +18,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from minddp.algorithms import p2p, ring, tree
+from minddp.algorithms import ring, tree
 
-SMALL, LARGE = 4, 4 << 20  # message sizes (bytes) of the measurements
-TAG = 40  # p2p tag of the measurement exchanges
+# Message sizes (bytes) of the measurements; SMALL gives each of up to 16
+# ranks a non-empty chunk, so a small ring takes all its 2(p-1) steps.
+SMALL, LARGE = 64, 4 << 20
 
 
 @dataclass(frozen=True)
@@ -67,32 +67,30 @@ def fit(sizes, seconds):
 
 
 def measure(group, repeats=(15, 7)):
-    """Measure Costs on `group`; a collective (every rank calls it), about 0.1 s.
+    """Measure Costs on `group`; a collective (every rank calls it), 0.1-0.5 s.
 
-    alpha: small pairwise exchanges through the p2p helper (both directions at
-    once, as in a ring step, our Python overhead included); hop: small round
-    trips; beta: a ring all-reduce of LARGE bytes (send/recv of a known volume,
-    segmented and added as the algorithms do), less its alpha and gamma terms.
-    The backend's all-reduce is timed at both sizes, interleaved with ours, so
-    a busy moment slows both alike.
+    Each latency is calibrated on the algorithm whose step count it sets, run
+    through send/recv as it really runs (Python overhead, scheduling of the
+    ranks on their cores included): alpha = a small ring all-reduce / its
+    2(p-1) steps, hop = a small tree all-reduce / its 2 log2 p hops, beta =
+    a ring all-reduce of LARGE bytes less its alpha and gamma terms, per byte
+    sent. The backend's all-reduce is timed at both sizes, interleaved with
+    ours, so a busy moment slows both alike.
     """
-    rank, p = group.rank(), group.size()
-    partner = rank ^ 1  # ranks exchange in pairs (0, 1), (2, 3), ...; an odd one out waits
+    p = group.size()
     small, large = torch.zeros(SMALL // 4), torch.zeros(LARGE // 4)
-    link = p2p.Link("cost model", small, group, None, p2p.SEGMENT_BYTES, rank, p)
-    exchange, native_small = _interleaved(
-        [lambda: partner < p and link.exchange([(partner, [small])], [(partner, small)], "set",
-                                               TAG),
-         lambda: dist.all_reduce(small, group=group)], repeats[0])
-    alpha = exchange if partner < p else 0.0
-    hop = _round_trip(group, rank, partner, repeats[0]) / 2 if partner < p else 0.0
+    ring_small, tree_small, native_small = _interleaved(
+        [lambda: ring.all_reduce(small, group), lambda: tree.all_reduce(small, group),
+         lambda: dist.all_reduce(small, group=group)], repeats[0], group)
+    alpha = ring_small / (2 * (p - 1))
+    hop = tree_small / (2 * max(1, int(math.log2(p))))
     # A private generator: measuring must not move the user's RNG (dropout masks).
     g = torch.Generator().manual_seed(0)
     a, b = torch.rand(LARGE // 4, generator=g), torch.rand(LARGE // 4, generator=g)
     gamma = _interleaved([lambda: a.add_(b)], repeats[1])[0] / LARGE
     ring_large, native_large = _interleaved([lambda: ring.all_reduce(large, group),
                                              lambda: dist.all_reduce(large, group=group)],
-                                            repeats[1])
+                                            repeats[1], group)
     share = (p - 1) / p * LARGE
     beta = max(0.0, (ring_large - 2 * (p - 1) * alpha - share * gamma) / (2 * share))
     native_alpha, native_beta = fit((SMALL, LARGE), (native_small, native_large))
@@ -102,24 +100,17 @@ def measure(group, repeats=(15, 7)):
     return Costs(*agreed.tolist())
 
 
-def _round_trip(group, rank, partner, repeats):
-    """Seconds for a small message there and back, as the first of the pair sees it
-    (the second reports 0; the maximum over ranks keeps the first's)."""
-    buf = torch.zeros(1)
-    link = p2p.Link("cost model", buf, group, None, p2p.SEGMENT_BYTES, rank, group.size())
-    if rank < partner:  # like a tree's leaf: send, and wait for the answer
-        return _interleaved([lambda: link.exchange([(partner, [buf])], [(partner, buf)], "set",
-                                                   TAG)], repeats)[0]
-    _interleaved([lambda: (link.exchange([], [(partner, buf)], "set", TAG),
-                           link.exchange([(partner, [buf])], [], "set", TAG))], repeats)
-    return 0.0
+def _interleaved(fns, repeats, group=None):
+    """Median seconds of each fn, run in turns after one untimed warm-up round.
 
-
-def _interleaved(fns, repeats):
-    """Median seconds of each fn, run in turns after one untimed warm-up round."""
+    With a group, every call starts after a barrier: otherwise a rank that
+    left the previous call early would time its wait for the others.
+    """
     times = [[] for _ in fns]
     for rep in range(repeats + 1):
         for fn, mine in zip(fns, times):
+            if group is not None:
+                dist.barrier(group=group)
             start = time.perf_counter()
             fn()
             if rep:
