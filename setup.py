@@ -40,7 +40,7 @@ def extension():
                       f"pure torch ops", file=sys.stderr)
 
     # -ffp-contract=off: no FMA contraction, so decompress_add_ rounds twice
-    # exactly like its pure-torch reference. No -march: the AVX-512 kernels are
+    # exactly like its pure-torch reference. No -march: the AVX-512 and AVX2 kernels are
     # picked at run time (csrc/cpu_kernels.h), the build runs on any x86-64.
     # No -std: torch adds the C++ standard its own headers need.
     cxx = ["-O3", "-ffp-contract=off"]

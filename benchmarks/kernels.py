@@ -123,7 +123,7 @@ def main():
     x = torch.randn(args.mib << 18, generator=torch.Generator().manual_seed(0)).to(args.device)
     table = variants(x, compression.DTYPES[args.dtype])
     where = (torch.cuda.get_device_name() if args.device == "cuda"
-             else f"{os.cpu_count()} CPUs, {torch.backends.cpu.get_cpu_capability()}")
+             else f"{os.cpu_count()} CPUs, minddp's {sys.modules['minddp._C'].cpu_isa} kernels")
     print(f"minddp kernels: {args.mib} MiB float32 -> {args.dtype} on {where}, torch "
           f"{torch.__version__}, median of {args.reps} interleaved repetitions")
     if args.device == "cpu":

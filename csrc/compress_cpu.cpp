@@ -28,24 +28,27 @@ bool streams(const void* out, int64_t bytes) {
 }
 
 float amax_range(const float* x, int64_t n) {
-#ifdef MINDDP_X86_AVX512
-  if (cpu_has_avx512()) return amax_avx512(x, n);
+#ifdef MINDDP_X86_SIMD
+  if (cpu_isa() == Isa::kAvx512) return amax_avx512(x, n);
+  if (cpu_isa() == Isa::kAvx2) return amax_avx2(x, n);
 #endif
   return amax_scalar(x, n);
 }
 
 template <bool BF16>
 void pack_range(const float* x, int64_t n, float scale, uint16_t* out, bool stream) {
-#ifdef MINDDP_X86_AVX512
-  if (cpu_has_avx512()) return pack_avx512<BF16>(x, n, scale, out, stream);
+#ifdef MINDDP_X86_SIMD
+  if (cpu_isa() == Isa::kAvx512) return pack_avx512<BF16>(x, n, scale, out, stream);
+  if (cpu_isa() == Isa::kAvx2) return pack_avx2<BF16>(x, n, scale, out, stream);
 #endif
   pack_scalar<BF16>(x, n, scale, out);
 }
 
 template <bool BF16, bool ADD>
 void unpack_range(const uint16_t* p, int64_t n, float inv, float* dst, bool stream) {
-#ifdef MINDDP_X86_AVX512
-  if (cpu_has_avx512()) return unpack_avx512<BF16, ADD>(p, n, inv, dst, stream);
+#ifdef MINDDP_X86_SIMD
+  if (cpu_isa() == Isa::kAvx512) return unpack_avx512<BF16, ADD>(p, n, inv, dst, stream);
+  if (cpu_isa() == Isa::kAvx2) return unpack_avx2<BF16, ADD>(p, n, inv, dst, stream);
 #endif
   unpack_scalar<BF16, ADD>(p, n, inv, dst);
 }

@@ -1,7 +1,8 @@
-// CPU kernels over one contiguous range: a portable scalar version, and an
-// AVX-512 version compiled through target attributes (the build itself uses no
-// -march flag, so the extension runs on any x86-64 or Arm CPU) and picked at
-// run time. Packed values travel as their 16-bit patterns (uint16_t).
+// CPU kernels over one contiguous range: a portable scalar version, and
+// AVX-512 and AVX2+F16C versions compiled through target attributes (the build
+// itself uses no -march flag, so the extension runs on any x86-64 or Arm CPU)
+// and picked at run time (`cpu_isa()`). Packed values travel as their 16-bit
+// patterns (uint16_t).
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -9,9 +10,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define MINDDP_X86_AVX512 1
+#define MINDDP_X86_SIMD 1
 #include <immintrin.h>
 #endif
 
@@ -51,7 +54,7 @@ void unpack_scalar(const uint16_t* p, int64_t n, float inv, float* dst) {
   }
 }
 
-#ifdef MINDDP_X86_AVX512
+#ifdef MINDDP_X86_SIMD
 #define MINDDP_AVX512 __attribute__((target("avx512f")))
 
 MINDDP_AVX512 inline float amax_avx512(const float* x, int64_t n) {
@@ -111,10 +114,90 @@ MINDDP_AVX512 void unpack_avx512(const uint16_t* p, int64_t n, float inv, float*
   unpack_scalar<BF16, ADD>(p + i, n - i, inv, dst + i);
 }
 
-inline bool cpu_has_avx512() {
-  static const bool ok = __builtin_cpu_supports("avx512f");
-  return ok;
+// The same kernels, 8 lanes wide, for CPUs without AVX-512 (AMD before Zen 4,
+// many cloud VMs): without them those fall back to the scalar loops, which
+// convert one element at a time and run slower than torch's own casts.
+#define MINDDP_AVX2 __attribute__((target("avx2,f16c")))
+
+MINDDP_AVX2 inline float amax_avx2(const float* x, int64_t n) {
+  const __m256 inf = _mm256_set1_ps(INFINITY), sign = _mm256_set1_ps(-0.0f);
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // |v| where finite, else 0 (inf and NaN compare false)
+    __m256 v0 = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i));
+    __m256 v1 = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i + 8));
+    a0 = _mm256_max_ps(a0, _mm256_and_ps(v0, _mm256_cmp_ps(v0, inf, _CMP_LT_OQ)));
+    a1 = _mm256_max_ps(a1, _mm256_and_ps(v1, _mm256_cmp_ps(v1, inf, _CMP_LT_OQ)));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(a0, a1));
+  return amax_scalar(x + i, n - i, amax_scalar(lanes, 8));
+}
+
+// bf16 bits of 8 floats, c10's rule as in bf16_rne above.
+MINDDP_AVX2 inline __m128i bf16_rne_avx2(__m256 v) {
+  __m256i u = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb,
+                                _mm256_set1_epi32(0x7FFF))), 16);
+  __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  // Narrow 32 -> 16 bits: packus works per 128-bit lane, the permute joins them.
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+template <bool BF16>
+MINDDP_AVX2 void pack_avx2(const float* x, int64_t n, float scale, uint16_t* out, bool stream) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), s);
+    __m128i h = BF16 ? bf16_rne_avx2(v) : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    auto* o = reinterpret_cast<__m128i*>(out + i);
+    stream ? _mm_stream_si128(o, h) : _mm_storeu_si128(o, h);
+  }
+  if (stream) _mm_sfence();
+  pack_scalar<BF16>(x + i, n - i, scale, out + i);
+}
+
+template <bool BF16, bool ADD>
+MINDDP_AVX2 void unpack_avx2(const uint16_t* p, int64_t n, float inv, float* dst, bool stream) {
+  const __m256 s = _mm256_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
+    __m256 v = BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                    : _mm256_cvtph_ps(h);
+    v = _mm256_mul_ps(v, s);
+    if (ADD) v = _mm256_add_ps(_mm256_loadu_ps(dst + i), v);
+    stream ? _mm256_stream_ps(dst + i, v) : _mm256_storeu_ps(dst + i, v);
+  }
+  if (stream) _mm_sfence();
+  unpack_scalar<BF16, ADD>(p + i, n - i, inv, dst + i);
 }
 #endif
+
+// The kernels to run: the widest instruction set this CPU has, or a narrower
+// one named by MINDDP_CPU_ISA=scalar|avx2|avx512 (so tests can check every
+// path on one machine; a wider one than the CPU has is ignored). Found once.
+enum class Isa { kScalar, kAvx2, kAvx512 };
+inline const char* isa_name(Isa isa) {
+  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar";
+}
+inline Isa cpu_isa() {
+  static const Isa isa = [] {
+    Isa best = Isa::kScalar;
+#ifdef MINDDP_X86_SIMD
+    if (__builtin_cpu_supports("avx512f")) best = Isa::kAvx512;
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) best = Isa::kAvx2;
+#endif
+    const char* asked = std::getenv("MINDDP_CPU_ISA");
+    for (Isa narrower : {Isa::kScalar, Isa::kAvx2}) {
+      if (asked && narrower < best && std::strcmp(asked, isa_name(narrower)) == 0) return narrower;
+    }
+    return best;
+  }();
+  return isa;
+}
 
 }  // namespace minddp

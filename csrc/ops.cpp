@@ -5,11 +5,20 @@
 
 #include "compress.h"
 
-// minddp._C is a plain Python module with no functions: its only job is to be
+#include "cpu_kernels.h"
+
+// minddp._C is a plain Python module with no functions: its job is to be
 // importable so that loading it registers the ops under torch.ops.minddp.
+// Its one attribute, cpu_isa, names the CPU kernels in use ("avx512", "avx2"
+// or "scalar"), for benchmarks and tests.
 extern "C" PyObject* PyInit__C(void) {
   static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module);
+  PyObject* m = PyModule_Create(&module);
+  if (m && PyModule_AddStringConstant(m, "cpu_isa", minddp::isa_name(minddp::cpu_isa())) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
 }
 
 TORCH_LIBRARY(minddp, m) {

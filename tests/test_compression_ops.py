@@ -5,6 +5,10 @@ must keep the error of compress -> decompress within 2^-10 (fp16) / 2^-7 (bf16)
 of the tensor's largest magnitude, keep inf/NaN, and the kernels must match the
 reference bit for bit (NaN payloads aside).
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -90,6 +94,24 @@ def test_kernels_match_reference_bitwise(ops, device, name, dtype, offset):
     expected = reference.decompress_add_(dst.clone(), packed, scale)
     assert ops.decompress_add_(dst, packed, scale) is dst
     torch.testing.assert_close(dst, expected, **exact)
+
+
+@needs_extension
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+def test_every_cpu_kernel_path_matches_reference(isa):
+    # The extension picks its CPU kernels once, at load, so each path gets a
+    # process of its own (MINDDP_CPU_ISA narrows the choice) running the
+    # bitwise test above on the CPU kernels.
+    env = dict(os.environ, MINDDP_CPU_ISA=isa)
+    used = subprocess.run([sys.executable, "-c", "import minddp._C as c; print(c.cpu_isa)"],
+                          env=env, capture_output=True, text=True, check=True).stdout.strip()
+    if used != isa:
+        pytest.skip(f"this CPU cannot run the {isa} kernels (it runs {used})")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", __file__,
+                          "-k", "bitwise and kernels-cpu"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "failed" not in run.stdout
 
 
 @needs_extension
