@@ -7,11 +7,13 @@ namespace minddp {
 
 std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& src, at::ScalarType dtype);
 at::Tensor decompress_cpu(const at::Tensor& packed, const at::Tensor& scale);
+at::Tensor& decompress_out_cpu(const at::Tensor& packed, const at::Tensor& scale, at::Tensor& out);
 at::Tensor& decompress_add_cpu(at::Tensor& dst, const at::Tensor& packed, const at::Tensor& scale);
 
 #ifdef MINDDP_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> compress_cuda(const at::Tensor& src, at::ScalarType dtype);
 at::Tensor decompress_cuda(const at::Tensor& packed, const at::Tensor& scale);
+at::Tensor& decompress_out_cuda(const at::Tensor& packed, const at::Tensor& scale, at::Tensor& out);
 at::Tensor& decompress_add_cuda(at::Tensor& dst, const at::Tensor& packed, const at::Tensor& scale);
 #endif
 
@@ -25,7 +27,7 @@ inline void check_compress_args(const at::Tensor& src, at::ScalarType dtype) {
               "torch.float16 or torch.bfloat16, got ", dtype);
 }
 
-// dst is undefined for decompress (it allocates its own output).
+// dst is undefined for decompress (it allocates its own output); for decompress.out it is `out`.
 inline void check_decompress_args(const char* op, const at::Tensor& dst, const at::Tensor& packed,
                                   const at::Tensor& scale) {
   TORCH_CHECK(packed.scalar_type() == at::kHalf || packed.scalar_type() == at::kBFloat16,
@@ -39,8 +41,8 @@ inline void check_decompress_args(const char* op, const at::Tensor& dst, const a
   TORCH_CHECK(scale.device() == packed.device(), op, ": scale is on ", scale.device(),
               " but packed is on ", packed.device(), "; move both to the same device");
   if (!dst.defined()) return;
-  TORCH_CHECK(dst.scalar_type() == at::kFloat, op, ": dst must be float32 (values accumulate "
-              "in fp32), got ", dst.scalar_type());
+  TORCH_CHECK(dst.scalar_type() == at::kFloat, op, ": dst must be float32 (minddp decodes "
+              "into fp32), got ", dst.scalar_type());
   TORCH_CHECK(dst.is_contiguous(), op, ": dst must be contiguous; accumulate into a "
               "contiguous buffer and copy back");
   TORCH_CHECK(dst.device() == packed.device(), op, ": dst is on ", dst.device(),

@@ -114,6 +114,12 @@ at::Tensor decompress_cpu(const at::Tensor& packed, const at::Tensor& scale) {
   return dst;
 }
 
+at::Tensor& decompress_out_cpu(const at::Tensor& packed, const at::Tensor& scale, at::Tensor& out) {
+  check_decompress_args("minddp.decompress.out", out, packed, scale);
+  unpack<false>(packed, scale, out);
+  return out;
+}
+
 at::Tensor& decompress_add_cpu(at::Tensor& dst, const at::Tensor& packed, const at::Tensor& scale) {
   check_decompress_args("minddp.decompress_add_", dst, packed, scale);
   unpack<true>(packed, scale, dst);

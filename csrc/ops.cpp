@@ -24,12 +24,15 @@ extern "C" PyObject* PyInit__C(void) {
 TORCH_LIBRARY(minddp, m) {
   m.def("compress(Tensor src, ScalarType dtype) -> (Tensor packed, Tensor scale)");
   m.def("decompress(Tensor packed, Tensor scale) -> Tensor");
+  // decode into an existing buffer (a bucket's slice): no temporary, no zeroing.
+  m.def("decompress.out(Tensor packed, Tensor scale, *, Tensor(a!) out) -> Tensor(a!)");
   m.def("decompress_add_(Tensor(a!) dst, Tensor packed, Tensor scale) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(minddp, CPU, m) {
   m.impl("compress", &minddp::compress_cpu);
   m.impl("decompress", &minddp::decompress_cpu);
+  m.impl("decompress.out", &minddp::decompress_out_cpu);
   m.impl("decompress_add_", &minddp::decompress_add_cpu);
 }
 
@@ -37,6 +40,7 @@ TORCH_LIBRARY_IMPL(minddp, CPU, m) {
 TORCH_LIBRARY_IMPL(minddp, CUDA, m) {
   m.impl("compress", &minddp::compress_cuda);
   m.impl("decompress", &minddp::decompress_cuda);
+  m.impl("decompress.out", &minddp::decompress_out_cuda);
   m.impl("decompress_add_", &minddp::decompress_add_cuda);
 }
 #endif

@@ -71,6 +71,10 @@ class Codec:
     def compresses(self, tensor):
         return tensor.dtype == torch.float32
 
+    def wire_itemsize(self, dtype):
+        """Bytes per element on the wire for a tensor of `dtype` (the scale aside)."""
+        return self.dtype.itemsize if dtype == torch.float32 else dtype.itemsize
+
     def _ops(self, tensor):
         return self.kernels or kernels_for(tensor.device)
 
@@ -87,11 +91,10 @@ class Codec:
         return self._ops(dst).decompress_add_(dst, wire[0], wire[1])
 
     def decode_(self, dst, wire):
-        """dst = the decoded wire (a -0.0 comes back as +0.0: it is added to zeros)."""
+        """dst = the decoded wire."""
         if len(wire) == 1:
             return dst.copy_(wire[0].view_as(dst))
-        # zero + add beats decompress + copy: no temporary as large as the chunk.
-        return self._ops(dst).decompress_add_(dst.zero_(), wire[0], wire[1])
+        return self._ops(dst).decompress.out(wire[0], wire[1], out=dst)
 
 
 def native_all_reduce(tensor, group, codec):

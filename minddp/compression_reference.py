@@ -5,6 +5,7 @@ tested against these functions, bit for bit apart from NaN payloads.
 
     packed, scale = compress(src, torch.float16)   # packed = src * scale, scale: float32 [1]
     decompress(packed, scale)                       # packed / scale, float32
+    decompress.out(packed, scale, out=dst)          # dst = packed / scale, in place
     decompress_add_(dst, packed, scale)             # dst += packed / scale, in place
 
 The scale is a power of two (so applying and removing it is exact) chosen from
@@ -43,6 +44,13 @@ def compress(src, dtype):
 
 def decompress(packed, scale):
     return packed.float() / scale
+
+
+def _decompress_out(packed, scale, *, out):
+    return out.copy_(decompress(packed, scale).view_as(out))
+
+
+decompress.out = _decompress_out  # as the op's overload: torch.ops.minddp.decompress.out
 
 
 def decompress_add_(dst, packed, scale):

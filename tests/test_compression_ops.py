@@ -75,6 +75,9 @@ def test_round_trip_error_and_specials(ops, device, name, dtype):
     acc = torch.ones_like(src)
     ops.decompress_add_(acc, packed, scale)
     torch.testing.assert_close(acc, 1 + out, equal_nan=True, rtol=0, atol=0)
+    into = torch.full_like(src, 7.0)  # decompress.out overwrites, it does not add
+    assert ops.decompress.out(packed, scale, out=into) is into
+    torch.testing.assert_close(into, out, equal_nan=True, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -135,6 +138,10 @@ def test_bad_arguments_are_rejected_with_the_fix(device):
         torch.ops.minddp.decompress_add_(x[:4], packed, scale)
     with pytest.raises(RuntimeError, match="one-element float32"):
         torch.ops.minddp.decompress(packed, scale.double())
+    with pytest.raises(RuntimeError, match="decompress.out: dst must be float32"):
+        torch.ops.minddp.decompress.out(packed, scale, out=x.half())
+    with pytest.raises(RuntimeError, match="pass the chunk that was compressed"):
+        torch.ops.minddp.decompress.out(packed, scale, out=x[:4])
 
 
 @needs_cuda_kernels
@@ -148,5 +155,6 @@ def test_cuda_ops_never_synchronise_with_the_host():
             packed, scale = torch.ops.minddp.compress(view, torch.float16)
             torch.ops.minddp.decompress_add_(view, packed, scale)
             torch.ops.minddp.decompress(packed, scale)
+            torch.ops.minddp.decompress.out(packed, scale, out=view)
     finally:
         torch.cuda.set_sync_debug_mode(0)

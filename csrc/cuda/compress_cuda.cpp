@@ -46,6 +46,12 @@ at::Tensor decompress_cuda(const at::Tensor& packed, const at::Tensor& scale) {
   return dst;
 }
 
+at::Tensor& decompress_out_cuda(const at::Tensor& packed, const at::Tensor& scale, at::Tensor& out) {
+  check_decompress_args("minddp.decompress.out", out, packed, scale);
+  unpack("minddp.decompress.out", packed, scale, out, false);
+  return out;
+}
+
 at::Tensor& decompress_add_cuda(at::Tensor& dst, const at::Tensor& packed, const at::Tensor& scale) {
   check_decompress_args("minddp.decompress_add_", dst, packed, scale);
   unpack("minddp.decompress_add_", packed, scale, dst, true);
