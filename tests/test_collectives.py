@@ -54,6 +54,9 @@ class _IdentityCodec:
         self.calls["decode_"] += 1
         dst.copy_(wire[0])
 
+    def wire_itemsize(self, dtype):
+        return dtype.itemsize
+
 
 class _HalfCodec:
     """Lossy, two wire tensors (fp16 payload and a scale), like the real codecs."""
@@ -67,6 +70,9 @@ class _HalfCodec:
 
     def decode_(self, dst, wire):
         dst.copy_(wire[0].float() * wire[1])
+
+    def wire_itemsize(self, dtype):
+        return 2
 
 
 def _check_sums(rank, world_size, algorithm, sizes, dtypes):

@@ -31,7 +31,7 @@ def _halving_doubling(link):
     extra = p - q
     everything = link.segments(0, link.numel)
     if r < 2 * extra and r % 2 == 0:  # folded: hand over the data, wait for the sum
-        link.exchange([(r + 1, link.wire(view)) for view in everything], [], "add", FOLD)
+        link.exchange([(r + 1, view) for view in everything], [], "add", FOLD)
         link.exchange([], [(r + 1, view) for view in everything], "set", UNFOLD, plain=True)
         return
     if r < 2 * extra:
@@ -47,7 +47,7 @@ def _halving_doubling(link):
     while d >= 1:
         mid = (lo + hi) // 2
         keep, give = ((lo, mid), (mid, hi)) if v & d == 0 else ((mid, hi), (lo, mid))
-        sends = [(real(v ^ d), link.wire(view)) for c in range(*give) for view in chunks[c]]
+        sends = [(real(v ^ d), view) for c in range(*give) for view in chunks[c]]
         recvs = [(real(v ^ d), view) for c in range(*keep) for view in chunks[c]]
         link.exchange(sends, recvs, "add", HALVING)
         lo, hi = keep

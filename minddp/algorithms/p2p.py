@@ -20,10 +20,12 @@ one tag arrive in order. Each phase has its own tag, so ranks that disagree
 on what they are doing time out with an error instead of mixing data.
 
 The codec protocol (compression): `encode(chunk) -> list[Tensor]` (the wire),
-`decode_add_(dst, wire)` (dst += decoded) and `decode_(dst, wire)` (dst =
-decoded). Receive buffers take the shapes and dtypes of the codec's own
-encoding of a chunk of the same size (found once per size, then cached).
+`decode_add_(dst, wire)` (dst += decoded), `decode_(dst, wire)` (dst =
+decoded) and `wire_itemsize(dtype)` (bytes per element on the wire).
+Receive buffers take the shapes and dtypes of the codec's own encoding of a
+chunk of the same size (found once per size, then cached).
 """
+import math
 import threading
 import weakref
 
@@ -33,6 +35,8 @@ import torch.distributed as dist
 # Segment size: big enough that the per-message cost is small, small enough
 # that adding one segment overlaps receiving the next (gloo uses ~1 MiB).
 SEGMENT_BYTES = 1 << 20
+# Receives in flight per peer while adding: one lands while the other is added.
+WINDOW = 2
 
 _local = threading.local()  # per thread: scratch buffers, group membership
 _wire_templates = weakref.WeakKeyDictionary()  # codec -> {(numel, dtype, device): wire shapes}
@@ -85,7 +89,9 @@ class Link:
         self.algorithm, self.flat, self.group, self.codec = algorithm, flat, group, codec
         self.rank, self.size = rank, size
         self.numel = flat.numel()
-        self.segment = max(1, segment_bytes // flat.element_size())
+        # Segments are sized by what travels: compressed, twice the elements.
+        wire_size = codec.wire_itemsize(flat.dtype) if codec is not None else flat.element_size()
+        self.segment = max(1, segment_bytes // wire_size)
 
     def segments(self, start, end):
         """Views of flat[start:end] cut into segments; an empty range gives no segment."""
@@ -107,49 +113,86 @@ class Link:
             self.codec.decode_(view, wire)
         return wire
 
-    def exchange(self, sends, recvs, mode, tag, plain=False, forward=None):
-        """Post all receives, then all sends; combine each receive as it lands.
+    def exchange(self, sends, recvs, mode=None, tag=None, plain=False, forward=None):
+        """Post the receives and the sends; combine each receive as it lands, in order.
 
-        sends: [(peer, wire)], wire from `self.wire` or from an earlier receive.
-        recvs: [(peer, view)]; mode "add" sums what arrives into `view`, "set"
-        overwrites `view` with it. `forward(i, wire)`, called once receive i is
-        combined, may return more sends to post at once (a pipeline). Returns
-        the received wires, in `recvs` order. Blocks until all are done.
+        sends: [(peer, payload)] or [(peer, payload, tag)]. A payload is a view
+        of the flat tensor, encoded just before its send is posted (the
+        receives are up before any encoding starts), or a wire (a list, from
+        `self.wire` or an earlier receive), sent as it is.
+        recvs: [(peer, view)] or [(peer, view, mode, tag)]; mode "add" sums
+        what arrives into `view`, "set" overwrites `view` with it. The call's
+        `mode` and `tag` stand in for those not given.
+        forward(i, wire), called once receive i is combined, may return more
+        sends to post at once: a pipeline, in which a segment moves on as soon
+        as it is ready instead of after the whole step.
+
+        "add" receives land in a few reused buffers, WINDOW per peer in flight:
+        they stay in cache, where the kernel writes the data and the add reads
+        it (a buffer per segment measured 1.5x the kernel's copy time).
+        Receives are posted in list order (a message matches the first
+        receive posted for its peer and tag), so a "set" waits its turn
+        behind the "add"s before it. "set" receives go straight into place or,
+        with a codec, into wires of their own. Returns the received wires in
+        `recvs` order (None for "add"), to forward. Blocks until all are done.
         """
         if not sends and not recvs:
             return []
         codec = None if plain else self.codec
-        buffers = self._receive_buffers(recvs, mode, codec)
-        posted = [self._post("recv", peer, bufs, tag) for (peer, _), bufs in zip(recvs, buffers)]
-        sent = [self._post("send", peer, wire, tag) for peer, wire in sends]
-        for i, (peer, view) in enumerate(recvs):
+        recvs = [item if len(item) == 4 else (*item, mode, tag) for item in recvs]
+        adders = {peer for peer, _, how, _ in recvs if how == "add"}
+        free = list(range(WINDOW * len(adders)))  # window slots not in use
+        wires, posted, slots = [None] * len(recvs), [], {}
+
+        def post_in_order():
+            while len(posted) < len(recvs):
+                i = len(posted)
+                peer, view, how, its_tag = recvs[i]
+                if how == "add":
+                    if not free:
+                        return
+                    slots[i] = free.pop()
+                    bufs = self._slot_buffers(slots[i], view, codec)
+                elif codec is None:
+                    bufs = [view]  # received straight into place
+                else:
+                    bufs = [torch.empty(shape, dtype=dtype, device=view.device)
+                            for shape, dtype in self._wire_template(view)]
+                wires[i] = bufs
+                posted.append(self._post("recv", peer, bufs, its_tag))
+
+        post_in_order()
+        sent = [self._send(item, tag, plain) for item in sends]
+        for i, (peer, view, how, _) in enumerate(recvs):
             self._wait(posted[i])
+            wire = wires[i]
             if codec is not None:
-                (codec.decode_add_ if mode == "add" else codec.decode_)(view, buffers[i])
-            elif mode == "add":
-                view.add_(buffers[i][0])
+                (codec.decode_add_ if how == "add" else codec.decode_)(view, wire)
+            elif how == "add":
+                view.add_(wire[0])
+            if how == "add":
+                free.append(slots.pop(i))
+                wires[i] = None
+                post_in_order()
             if forward is not None:
-                sent += [self._post("send", to, wire, tag) for to, wire in forward(i, buffers[i])]
+                sent += [self._send(item, tag, plain) for item in forward(i, wire)]
         for works in sent:
             self._wait(works)
-        return buffers
+        return wires
+
+    def _send(self, item, tag, plain):
+        peer, payload = item[0], item[1]
+        tag = item[2] if len(item) == 3 else tag
+        if not isinstance(payload, list):
+            payload = [payload] if self.codec is None or plain else self.codec.encode(payload)
+        return self._post("send", peer, payload, tag)
 
     # -- internals --------------------------------------------------------------
-    def _receive_buffers(self, recvs, mode, codec):
-        if codec is not None:
-            return [[torch.empty(shape, dtype=dtype, device=view.device)
-                     for shape, dtype in self._wire_template(view)] for _, view in recvs]
-        if mode == "set":
-            return [[view] for _, view in recvs]  # received straight into place
-        if len(recvs) == 1:
-            return [[_scratch(recvs[0][1].numel(), self.flat.dtype, self.flat.device, "recv")]]
-        scratch = _scratch(sum(v.numel() for _, v in recvs), self.flat.dtype, self.flat.device,
-                           "recv")
-        buffers, offset = [], 0
-        for _, view in recvs:
-            buffers.append([scratch[offset:offset + view.numel()]])
-            offset += view.numel()
-        return buffers
+    def _slot_buffers(self, slot, view, codec):
+        """Receive buffers for `view` in reused slot `slot` of the add window."""
+        shapes = self._wire_template(view) if codec is not None else [(view.shape, view.dtype)]
+        return [_scratch(math.prod(shape), dtype, view.device, ("window", slot, k)).view(shape)
+                for k, (shape, dtype) in enumerate(shapes)]
 
     def _wire_template(self, view):
         templates = _wire_templates.setdefault(self.codec, {})

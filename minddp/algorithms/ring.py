@@ -4,8 +4,10 @@ The tensor is cut into p chunks. In reduce-scatter step s (s = 0..p-2) rank r
 sends chunk (r - s) to its right neighbour and adds chunk (r - s - 1) arriving
 from its left one; afterwards rank r holds the full sum of chunk (r + 1). The
 all-gather passes those finished chunks around the ring in p - 1 more steps.
-Each chunk is segmented (p2p.SEGMENT_BYTES) so adding one segment overlaps
-receiving the next.
+Each chunk is segmented (p2p.SEGMENT_BYTES) and the ring is one pipeline: a
+segment moves on to the right as soon as it has been added (or, in the
+all-gather, received), so adding one segment overlaps receiving the next and
+no rank waits for a whole step to end before starting the next one.
 
 Cost for n bytes on p ranks: 2(p-1) steps, each rank sends 2(p-1)/p * n bytes:
     T = 2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma   (gamma: add time per byte)
@@ -29,11 +31,27 @@ def _ring(link):
     p, r = link.size, link.rank
     right, left = (r + 1) % p, (r - 1) % p
     chunks = [link.segments(start, end) for start, end in p2p.chunk_bounds(link.numel, p)]
-    for s in range(p - 1):
-        sends = [(right, link.wire(view)) for view in chunks[(r - s) % p]]
-        recvs = [(left, view) for view in chunks[(r - s - 1) % p]]
-        link.exchange(sends, recvs, "add", REDUCE_SCATTER)
-    wires = [link.wire(view, final=True) for view in chunks[(r + 1) % p]]
-    for s in range(p - 1):
-        recvs = [(left, view) for view in chunks[(r - s) % p]]
-        wires = link.exchange([(right, wire) for wire in wires], recvs, "set", ALL_GATHER)
+    # Every receive of both phases, in the order the left neighbour sends them.
+    steps = ([(chunks[(r - s - 1) % p], "add", REDUCE_SCATTER) for s in range(p - 1)] +
+             [(chunks[(r - s) % p], "set", ALL_GATHER) for s in range(p - 1)])
+    recvs = [(left, view, how, tag) for views, how, tag in steps for view in views]
+    owner = [(s, j) for s, (views, _, _) in enumerate(steps) for j in range(len(views))]
+
+    def move_on(i, wire):
+        # Pipelined: each segment goes on to the right as soon as it is
+        # combined, not once its whole step is: the reduce-scatter's last step
+        # finishes a segment of our own chunk, which starts the all-gather.
+        s, j = owner[i]
+        view = steps[s][0][j]
+        if s < p - 2:
+            return [(right, view, REDUCE_SCATTER)]
+        if s == p - 2:
+            return [(right, link.wire(view, final=True), ALL_GATHER)]
+        if s < 2 * p - 3:
+            return [(right, wire, ALL_GATHER)]  # forwarded as received: never re-encoded
+        return []
+
+    if p == 1 or not recvs:
+        return
+    sends = [(right, view, REDUCE_SCATTER) for view in chunks[r]]
+    link.exchange(sends, recvs, forward=move_on)

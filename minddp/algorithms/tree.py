@@ -53,7 +53,7 @@ def _tree(link):
         # A leaf sends everything up and takes each total as it comes back
         # down. Receiving into the segments being sent is safe: the parent
         # returns segment j only after all of ours has arrived.
-        link.exchange([(parent, link.wire(view)) for view in segments],
+        link.exchange([(parent, view) for view in segments],
                       [(parent, view) for view in segments], "set", TAG)
         return
     link.exchange([], [(c, view) for view in segments for c in children], "add", TAG,
