@@ -15,6 +15,7 @@ The kernels are torch.ops.minddp.* from the extension minddp._C where it has a
 kernel for the tensor's device, else the pure-torch reference
 (compression_reference.py): same numbers, slower; minddp says so once.
 """
+import functools
 import math
 import warnings
 
@@ -97,6 +98,12 @@ class Codec:
         return self._ops(dst).decompress.out(wire[0], wire[1], out=dst)
 
 
+@functools.lru_cache(maxsize=None)
+def codec_for(compression):
+    """The one Codec of a compression name (auto keeps its timings per codec)."""
+    return Codec(compression)
+
+
 def native_all_reduce(tensor, group, codec):
     """Sum `tensor` in place over `group` with the backend's all-reduce in 16 bits.
 
@@ -134,7 +141,7 @@ def all_reduce_job(algorithm, group, compression):
     """
     from minddp import algorithms
 
-    codec = Codec(compression)
+    codec = codec_for(compression)
     if _is_native(algorithm):
         return lambda bucket, group: native_all_reduce(bucket, group, codec)
     return algorithms.planner(algorithm, group, codec=codec)
@@ -149,7 +156,7 @@ def all_reduce(tensor, algorithm="ring", group=None, compression="fp16"):
     from minddp import algorithms
 
     group = group if group is not None else dist.group.WORLD
-    codec = Codec(compression)
+    codec = codec_for(compression)
     if _is_native(algorithm):
         return native_all_reduce(tensor, group, codec)
     return algorithms.resolve(algorithm).all_reduce(tensor, group, codec=codec)

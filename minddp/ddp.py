@@ -100,6 +100,10 @@ class DistributedDataParallel(nn.Module):
             gradient_as_bucket_view=gradient_as_bucket_view, describe=f"algorithm {algorithm!r}",
             timeline=self.timeline,
             progress=PeerProgress(group, self.comm_group) if self.world_size > 1 else None)
+        if getattr(job, "chooser", None) is not None:
+            # auto: time the candidates on each bucket size now, every rank
+            # at once, rather than inside the first backward.
+            job.chooser.tune([bucket.buffer for bucket in self.reducer.buckets])
 
     @staticmethod
     def _join_peers(module, named, settings, group, rank, timeout):
@@ -153,7 +157,7 @@ class DistributedDataParallel(nn.Module):
         if algorithm not in algorithms.CHOICES:
             raise ValueError(f"{where}: unknown algorithm {algorithm!r}; choose one of "
                              f"{list(algorithms.CHOICES)}.")
-        algorithms.resolve(algorithm)  # raises if that one is not implemented yet
+        algorithms.resolve(algorithm)  # raises, naming the choices, for an unknown name
         if compression not in COMPRESSIONS:
             raise ValueError(f"{where}: unknown compression {compression!r}; choose one of "
                              f"{list(COMPRESSIONS)}.")

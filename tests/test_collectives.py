@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import time
+import types
 
 import pytest
 import torch
@@ -233,16 +234,43 @@ def test_cost_model_fit_and_choice(caplog):
             cost_model.predict("tree", 64 << 20, 8, costs))
     assert (cost_model.predict("halving_doubling", 1 << 20, 8, costs) <
             cost_model.predict("ring", 1 << 20, 8, costs))
-    chooser = auto.Chooser(_FakeGroup(6), costs=costs)  # not a power of two: ring
+    chooser = auto.Chooser(_FakeGroup(6), costs=costs, timed=False)  # not a power of two: ring
     with caplog.at_level(logging.DEBUG, logger="minddp.algorithms"):
         assert chooser.pick(torch.empty(64 << 20, dtype=torch.uint8)) == "ring"
         assert chooser.pick(torch.empty(64 << 20, dtype=torch.uint8)) == "ring"
     assert len(caplog.records) == 1 and "-> ring" in caplog.text
     # Without native, a codec-carrying auto never picks it, however cheap.
     cheap_native = cost_model.Costs(50e-6, 40e-6, 1e-9, 2e-10, 0.0, 0.0)
-    assert auto.Chooser(_FakeGroup(4), with_native=False, costs=cheap_native).pick(
+    assert auto.Chooser(_FakeGroup(4), with_native=False, costs=cheap_native, timed=False).pick(
         torch.empty(1)) != "native"
-    assert auto.Chooser(_FakeGroup(4), costs=cheap_native).pick(torch.empty(1)) == "native"
+    assert auto.Chooser(_FakeGroup(4), costs=cheap_native, timed=False).pick(
+        torch.empty(1)) == "native"
+
+
+def _timed_choice_overrules_the_model(rank, world_size):
+    # The model says the tree wins small messages by far; make it the slowest.
+    costs = cost_model.Costs(alpha=1e-3, hop=1e-6, beta=1e-9, gamma=1e-10,
+                             native_alpha=1e-3, native_beta=1e-9)
+    real_tree = tree.all_reduce
+
+    def slow_tree(tensor, group=None, codec=None):
+        time.sleep(0.02)
+        return real_tree(tensor, group, codec)
+
+    auto.CANDIDATES["tree"] = types.SimpleNamespace(all_reduce=slow_tree)
+    try:
+        model_only = auto.Chooser(dist.group.WORLD, costs=costs, timed=False)
+        timed = auto.Chooser(dist.group.WORLD, costs=costs)
+        tensor = torch.ones(16)
+        return model_only.pick(tensor), timed.pick(tensor), timed.pick(tensor)
+    finally:
+        auto.CANDIDATES["tree"] = tree
+
+
+def test_auto_times_the_candidates_and_drops_a_slow_one():
+    for model_pick, timed_pick, again in run_world(_timed_choice_overrules_the_model, 2):
+        assert model_pick == "tree"
+        assert timed_pick != "tree" and again == timed_pick
 
 
 def _rng_untouched(rank, world_size):

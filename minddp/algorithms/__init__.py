@@ -43,7 +43,8 @@ def planner(algorithm, group, codec=None):
         raise ValueError("minddp: algorithm='native' runs the backend's own all-reduce, which "
                          "cannot route hops through a codec; use 'ring', 'tree', "
                          "'halving_doubling' or 'auto' with compression.")
-    chooser = auto.Chooser(group, with_native=codec is None) if algorithm == "auto" else None
+    chooser = (auto.Chooser(group, with_native=codec is None, codec=codec)
+               if algorithm == "auto" else None)
 
     def job(bucket, group):
         name = chooser.pick(bucket) if chooser is not None else algorithm
@@ -52,6 +53,7 @@ def planner(algorithm, group, codec=None):
         return ALGORITHMS[name].all_reduce(bucket, group, codec=codec)
 
     job.__name__ = f"{algorithm}_all_reduce"
+    job.chooser = chooser  # auto: the wrapper has it decide for its buckets up front
     return job
 
 

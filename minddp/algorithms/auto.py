@@ -1,14 +1,23 @@
-"""algorithm="auto": per bucket, the algorithm the cost model predicts to be fastest.
+"""algorithm="auto": per bucket size, the fastest algorithm, predicted and then timed.
 
 A Chooser measures the links once (cost_model.measure, a collective on the
-group, 0.1-0.5 s; later groups over the same ranks and backend reuse it) and
-then decides from the bucket's size alone, so every rank picks the same
-algorithm for the same bucket without talking.
-Each new bucket size logs its choice once at debug level
-(logger "minddp.algorithms").
+group, 0.1-0.5 s; later groups over the same ranks and backend reuse it), so
+the alpha-beta model predicts every candidate's time for any size. The model
+ranks well where the algorithms differ by their step counts, but on a busy
+or oversubscribed machine its line can be 30% off where they are close, and
+10% is the difference that matters. So the first time a bucket size comes up
+(the wrapper announces its buckets at start-up) the candidates are also timed
+on that size, a few interleaved rounds after barriers, the slowest rank's
+time per round agreed across ranks; the measured fastest wins. That costs a
+few all-reduces of each candidate once per size (about 0.5 s for a 25 MiB
+bucket on 2 CPU ranks) and makes every rank pick the same algorithm. Each
+choice is logged once at debug level (logger "minddp.algorithms") with the
+predicted and measured times.
 """
 import logging
+import time
 
+import torch
 import torch.distributed as dist
 
 from minddp.algorithms import cost_model, halving_doubling, native, ring, tree
@@ -19,34 +28,75 @@ log = logging.getLogger("minddp.algorithms")
 CANDIDATES = {"ring": ring, "tree": tree, "halving_doubling": halving_doubling,
               "native": native}
 
-_choosers = {}  # (group, with_native) -> Chooser, for calls outside a wrapper
+_choosers = {}  # (group, codec) -> Chooser, for calls outside a wrapper
 # (global ranks, backend) -> Costs. Every rank of a group builds the same
 # groups in the same order, so all find (or all miss) the same entry.
 _measured = {}
 
 
 class Chooser:
-    """Picks an algorithm name per tensor size; construct it on every rank of `group` at once."""
+    """Picks an algorithm name per tensor size; construct it on every rank of `group` at once.
 
-    def __init__(self, group, with_native=True, costs=None):
-        self.p = group.size()
+    timed=False decides from the model alone (no collective per new size).
+    `codec` is what the candidates are timed with (compression).
+    """
+
+    def __init__(self, group, with_native=True, costs=None, codec=None, timed=True):
+        self.group, self.p, self.codec, self.timed = group, group.size(), codec, timed
         self.costs = costs if costs is not None or self.p == 1 else _costs_of(group)
         # A codec can only ride on our own hops, not inside the backend's all-reduce.
         self.names = [n for n in CANDIDATES if with_native or n != "native"]
         self._picked = {}
 
+    def tune(self, tensors):
+        """Decide now for each tensor's size (a collective: every rank, same tensors)."""
+        for tensor in tensors:
+            self.pick(tensor)
+
     def pick(self, tensor):
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes not in self._picked:
-            if self.costs is None:
-                self._picked[nbytes] = self.names[0]
-                return self.names[0]
-            predicted = {n: cost_model.predict(n, nbytes, self.p, self.costs) for n in self.names}
+        if nbytes in self._picked:
+            return self._picked[nbytes]
+        if self.costs is None:  # a world of one
+            self._picked[nbytes] = self.names[0]
+            return self.names[0]
+        predicted = {n: cost_model.predict(n, nbytes, self.p, self.costs) for n in self.names}
+        if self.timed and nbytes > 0:
+            measured = self._time(tensor, predicted)
+            self._picked[nbytes] = min(self.names, key=measured.__getitem__)
+        else:
+            measured = {}
             self._picked[nbytes] = min(self.names, key=predicted.__getitem__)
-            log.debug("minddp auto on %d ranks: %d-byte bucket -> %s (predicted %s)", self.p,
-                      nbytes, self._picked[nbytes],
-                      ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in predicted.items()))
+        log.debug("minddp auto on %d ranks: %d-byte bucket -> %s (predicted %s%s)", self.p,
+                  nbytes, self._picked[nbytes],
+                  ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in predicted.items()),
+                  "; measured " + ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in measured.items())
+                  if measured else "")
         return self._picked[nbytes]
+
+    def _time(self, like, predicted):
+        """Median seconds of each candidate on a scratch tensor like `like`, slowest rank's."""
+        scratch = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+        # Rounds: as many as fit in ~0.1 s by the model's account, 3 to 15.
+        rounds = max(3, min(15, int(0.1 / max(sum(predicted.values()), 1e-9))))
+        times = torch.zeros(len(self.names), rounds, dtype=torch.float64)
+        for r in range(rounds + 1):  # round 0 warms up: connections, buffers
+            order = self.names[r % len(self.names):] + self.names[:r % len(self.names)]
+            for name in order:
+                dist.barrier(group=self.group)
+                start = time.perf_counter()
+                self._run(name, scratch)
+                if scratch.is_cuda:
+                    torch.cuda.synchronize(scratch.device)
+                if r:
+                    times[self.names.index(name), r - 1] = time.perf_counter() - start
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)  # the slowest rank
+        return {n: times[i].median().item() for i, n in enumerate(self.names)}
+
+    def _run(self, name, tensor):
+        if name == "native":
+            return native.all_reduce(tensor, self.group)
+        return CANDIDATES[name].all_reduce(tensor, self.group, codec=self.codec)
 
 
 def _costs_of(group):
@@ -57,14 +107,15 @@ def _costs_of(group):
 
 
 def all_reduce(tensor, group=None, codec=None):
-    """In-place sum of `tensor` over `group` with the predicted-fastest algorithm.
+    """In-place sum of `tensor` over `group` with the fastest algorithm for its size.
 
-    The first call on a group measures it (every rank of the group must call).
+    Every rank of the group must call it: the first call on a group measures
+    the links, the first call with each size times the candidates.
     """
     group = group if group is not None else dist.group.WORLD
-    key = (group, codec is None)
+    key = (group, codec)
     if key not in _choosers:
-        _choosers[key] = Chooser(group, with_native=codec is None)
+        _choosers[key] = Chooser(group, with_native=codec is None, codec=codec)
     name = _choosers[key].pick(tensor)
     if name == "native":
         return native.all_reduce(tensor, group)
