@@ -9,8 +9,8 @@ or oversubscribed machine its line can be 30% off where they are close, and
 (the wrapper announces its buckets at start-up) the candidates are also timed
 on that size, a few interleaved rounds after barriers, the slowest rank's
 time per round agreed across ranks; the measured fastest wins. That costs a
-few all-reduces of each candidate once per size (about 0.5 s for a 25 MiB
-bucket on 2 CPU ranks) and makes every rank pick the same algorithm. Each
+few all-reduces of each candidate once per size (about 1 s for a 25 MiB
+bucket on 2 CPU ranks; candidates predicted over 3x slower are skipped) and makes every rank pick the same algorithm. Each
 choice is logged once at debug level (logger "minddp.algorithms") with the
 predicted and measured times.
 """
@@ -62,8 +62,13 @@ class Chooser:
             return self.names[0]
         predicted = {n: cost_model.predict(n, nbytes, self.p, self.costs) for n in self.names}
         if self.timed and nbytes > 0:
-            measured = self._time(tensor, predicted)
-            self._picked[nbytes] = min(self.names, key=measured.__getitem__)
+            # Not worth timing: a candidate predicted to take over 3x the best
+            # and over 5 ms (the tree on large buckets): the model's errors are
+            # tens of percent, not 3x, and each round would cost the most.
+            best = min(predicted.values())
+            timed = [n for n in self.names if predicted[n] <= max(3 * best, 5e-3)]
+            measured = self._time(tensor, timed, sum(predicted[n] for n in timed))
+            self._picked[nbytes] = min(timed, key=measured.__getitem__)
         else:
             measured = {}
             self._picked[nbytes] = min(self.names, key=predicted.__getitem__)
@@ -74,14 +79,14 @@ class Chooser:
                   if measured else "")
         return self._picked[nbytes]
 
-    def _time(self, like, predicted):
-        """Median seconds of each candidate on a scratch tensor like `like`, slowest rank's."""
+    def _time(self, like, names, predicted_round):
+        """Median seconds of each of `names` on a scratch tensor like `like`, slowest rank's."""
         scratch = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
-        # Rounds: as many as fit in ~0.1 s by the model's account, 3 to 15.
-        rounds = max(3, min(15, int(0.1 / max(sum(predicted.values()), 1e-9))))
-        times = torch.zeros(len(self.names), rounds, dtype=torch.float64)
+        # Rounds: as many as fit in ~0.2 s by the model's account, 5 to 15.
+        rounds = max(5, min(15, int(0.2 / max(predicted_round, 1e-9))))
+        times = torch.zeros(len(names), rounds, dtype=torch.float64)
         for r in range(rounds + 1):  # round 0 warms up: connections, buffers
-            order = self.names[r % len(self.names):] + self.names[:r % len(self.names)]
+            order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 dist.barrier(group=self.group)
                 start = time.perf_counter()
@@ -89,9 +94,9 @@ class Chooser:
                 if scratch.is_cuda:
                     torch.cuda.synchronize(scratch.device)
                 if r:
-                    times[self.names.index(name), r - 1] = time.perf_counter() - start
+                    times[names.index(name), r - 1] = time.perf_counter() - start
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)  # the slowest rank
-        return {n: times[i].median().item() for i, n in enumerate(self.names)}
+        return {n: times[i].median().item() for i, n in enumerate(names)}
 
     def _run(self, name, tensor):
         if name == "native":

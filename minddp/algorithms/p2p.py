@@ -35,8 +35,10 @@ import torch.distributed as dist
 # Segment size: big enough that the per-message cost is small, small enough
 # that adding one segment overlaps receiving the next (gloo uses ~1 MiB).
 SEGMENT_BYTES = 1 << 20
-# Receives in flight per peer while adding: one lands while the other is added.
-WINDOW = 2
+# Bytes of receives in flight per peer while adding: reused buffers, so they
+# stay in cache, yet enough segments that the link never waits for a receive
+# to be posted (a wake-up can take 0.2 ms on a busy machine).
+WINDOW_BYTES = 4 << 20
 
 _local = threading.local()  # per thread: scratch buffers, group membership
 _wire_templates = weakref.WeakKeyDictionary()  # codec -> {(numel, dtype, device): wire shapes}
@@ -127,7 +129,7 @@ class Link:
         sends to post at once: a pipeline, in which a segment moves on as soon
         as it is ready instead of after the whole step.
 
-        "add" receives land in a few reused buffers, WINDOW per peer in flight:
+        "add" receives land in reused buffers, WINDOW_BYTES per peer in flight:
         they stay in cache, where the kernel writes the data and the add reads
         it (a buffer per segment measured 1.5x the kernel's copy time).
         Receives are posted in list order (a message matches the first
@@ -141,7 +143,8 @@ class Link:
         codec = None if plain else self.codec
         recvs = [item if len(item) == 4 else (*item, mode, tag) for item in recvs]
         adders = {peer for peer, _, how, _ in recvs if how == "add"}
-        free = list(range(WINDOW * len(adders)))  # window slots not in use
+        per_peer = max(2, WINDOW_BYTES // (self.segment * self.flat.element_size()))
+        free = list(range(min(len(recvs), per_peer * len(adders))))  # window slots not in use
         wires, posted, slots = [None] * len(recvs), [], {}
 
         def post_in_order():
