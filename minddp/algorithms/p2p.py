@@ -10,7 +10,8 @@ lives here:
   decode_add_, decode_), or plain tensors when there is no codec;
 - staging: CUDA tensors on a gloo group are reduced in a pinned CPU copy
   (gloo's send/recv take CPU tensors only); NCCL groups use their own p2p;
-- reused scratch buffers (no allocation per call for plain tensors);
+- reused scratch buffers (no allocation per call for plain tensors), and a
+  window of them for receives to add (WINDOW_BYTES per peer, cache-warm);
 - waits bounded by the process group's timeout, and errors that name the
   algorithm, this rank and the peer it was waiting for.
 
