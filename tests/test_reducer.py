@@ -95,3 +95,41 @@ def _never_used(rank, world_size):
 def test_parameter_no_rank_used_keeps_no_grad():
     # torch leaves .grad of a parameter no rank used untouched (None here).
     assert run_world(_never_used, 2) == [(True, True), (True, True)]
+
+
+class _WaitProbe:
+    """A bucket's future that notes, when finalize waits on it, whether bucket 0's
+    gradients have already been written back."""
+
+    def __init__(self, future, ddp, seen):
+        self.future, self.ddp, self.seen = future, ddp, seen
+
+    def wait(self):
+        first = self.ddp.reducer.buckets[0]
+        self.seen.append(all(torch.equal(p.grad, first.view(i))
+                             for i, p in enumerate(first.params)))
+        return self.future.wait()
+
+
+def _write_back_order(rank, world_size):
+    import torch.distributed as dist
+    ddp = minddp.DDP(DeepNet(), bucket_cap_mb=0.002)
+    seen = []
+
+    def hook(state, bucket):
+        work = dist.all_reduce(bucket.buffer().div_(world_size), async_op=True)
+        future = work.get_future().then(lambda f: f.value()[0])
+        return future if bucket.index() == 0 else _WaitProbe(future, ddp, seen)
+
+    ddp.register_comm_hook(None, hook)
+    for step in range(2):
+        ddp(*batch("deep", rank, step)).sum().backward()
+    return len(ddp.reducer.buckets), seen
+
+
+def test_each_bucket_is_written_back_before_the_next_is_waited_for():
+    # As torch's finalize does: copying bucket 0 to .grad overlaps the later
+    # buckets' communication instead of following all of it.
+    for buckets, seen in run_world(_write_back_order, 2):
+        assert buckets > 2 and len(seen) == 2 * (buckets - 1)
+        assert all(seen), "bucket 0 was still unwritten when a later bucket was waited for"
