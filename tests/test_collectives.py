@@ -253,6 +253,18 @@ def test_auto_gives_near_ties_to_the_backend():
     assert auto._fastest({"ring": 1.0, "tree": 0.9}) == "tree"  # with a codec: no native
 
 
+def test_auto_scores_each_round_against_its_best():
+    # ring takes 0.8x native's time in every round but one; slow spells (x3)
+    # hit ring in rounds 0-2 and native in rounds 0-1 only. Plain medians
+    # would pick native; per-round ratios see through the spells.
+    ring = torch.tensor([2.4, 2.4, 2.4, 0.8, 0.8], dtype=torch.float64)
+    native = torch.tensor([3.0, 3.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    assert native.median() < ring.median(), "the example must fool plain medians"
+    scores = auto._relative(torch.stack([ring, native]), ["ring", "native"])
+    assert scores == pytest.approx({"ring": 1.0, "native": 1.25})
+    assert auto._fastest(scores) == "ring"
+
+
 def _timed_choice_overrules_the_model(rank, world_size):
     # The model says the tree wins small messages by far; make it the slowest.
     costs = cost_model.Costs(alpha=1e-3, hop=1e-6, beta=1e-9, gamma=1e-10,

@@ -7,12 +7,14 @@ ranks well where the algorithms differ by their step counts, but on a busy
 or oversubscribed machine its line can be 30% off where they are close, and
 10% is the difference that matters. So the first time a bucket size comes up
 (the wrapper announces its buckets at start-up) the candidates are also timed
-on that size, a few interleaved rounds after barriers, the slowest rank's
-time per round agreed across ranks; the measured fastest wins. That costs a
-few all-reduces of each candidate once per size (about 1 s for a 25 MiB
-bucket on 2 CPU ranks; candidates predicted over 3x slower are skipped) and makes every rank pick the same algorithm. Each
-choice is logged once at debug level (logger "minddp.algorithms") with the
-predicted and measured times.
+on that size: interleaved rounds after barriers (5 to 50, about 0.4 s by the
+model's account), the slowest rank's time per round agreed across ranks. The
+winner is the candidate whose time is the lowest multiple of each round's
+best, in the median over rounds. That costs a few all-reduces of each
+candidate once per size (about 1 s for a 25 MiB bucket on 2 CPU ranks;
+candidates predicted over 3x slower are skipped) and makes every rank pick
+the same algorithm. Each choice is logged once at debug level (logger
+"minddp.algorithms") with the predicted and measured times.
 """
 import logging
 import time
@@ -67,8 +69,9 @@ class Chooser:
             # tens of percent, not 3x, and each round would cost the most.
             best = min(predicted.values())
             timed = [n for n in self.names if predicted[n] <= max(3 * best, 5e-3)]
-            measured = self._time(tensor, timed, sum(predicted[n] for n in timed))
-            self._picked[nbytes] = _fastest(measured)
+            times = self._time(tensor, timed, sum(predicted[n] for n in timed))
+            measured = {n: times[i].median().item() for i, n in enumerate(timed)}
+            self._picked[nbytes] = _fastest(_relative(times, timed))
         else:
             measured = {}
             self._picked[nbytes] = min(self.names, key=predicted.__getitem__)
@@ -80,10 +83,13 @@ class Chooser:
         return self._picked[nbytes]
 
     def _time(self, like, names, predicted_round):
-        """Median seconds of each of `names` on a scratch tensor like `like`, slowest rank's."""
+        """Seconds of each of `names` (rows) per round (columns) on a scratch tensor
+        like `like`, the slowest rank's, the same on every rank."""
         scratch = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
-        # Rounds: as many as fit in ~0.2 s by the model's account, 5 to 15.
-        rounds = max(5, min(15, int(0.2 / max(predicted_round, 1e-9))))
+        # Rounds: as many as fit in ~0.4 s by the model's account, 5 to 50.
+        # Small buckets take well under a millisecond, about as long as the
+        # machine's hiccups, so they get the most rounds.
+        rounds = max(5, min(50, int(0.4 / max(predicted_round, 1e-9))))
         times = torch.zeros(len(names), rounds, dtype=torch.float64)
         for r in range(rounds + 1):  # round 0 warms up: connections, buffers
             order = names[r % len(names):] + names[:r % len(names)]
@@ -96,7 +102,7 @@ class Chooser:
                 if r:
                     times[names.index(name), r - 1] = time.perf_counter() - start
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)  # the slowest rank
-        return {n: times[i].median().item() for i, n in enumerate(names)}
+        return times
 
     def _run(self, name, tensor):
         if name == "native":
@@ -109,6 +115,17 @@ class Chooser:
 # process's CPU than its time shows (25 MiB on 2 CPU ranks: 16 ms of CPU for
 # gloo's ring, 18-21 ms for ours, at about the same wall time).
 NATIVE_TIE = 1.05
+
+
+def _relative(times, names):
+    """Each candidate's median, over rounds, of its time over that round's best.
+
+    Candidates run back to back within a round, so dividing by the round's
+    best cancels whatever slowed the whole round (another process, a page
+    reclaim): the benchmarks compare algorithms the same way.
+    """
+    ratios = times / times.min(dim=0, keepdim=True).values.clamp_min(1e-12)
+    return {n: ratios[i].median().item() for i, n in enumerate(names)}
 
 
 def _fastest(measured):
