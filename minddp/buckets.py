@@ -18,6 +18,7 @@ FIRST_BUCKET_BYTES = 1024 * 1024
 class Bucket:
     """One flat gradient buffer and where each parameter's gradient lives in it."""
     index: int
+    indices: list         # the parameters' positions in the list given to build()
     params: list          # the parameters, in the order they sit in the buffer
     names: list           # their names, for error messages
     offsets: list         # element offset of each parameter in the buffer
@@ -70,5 +71,6 @@ def build(params, names, cap_bytes, first_cap_bytes=FIRST_BUCKET_BYTES):
             offsets.append(total)
             total += p.numel()
         buffer = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
-        buckets.append(Bucket(b, members, [names[i] for i in indices], offsets, buffer))
+        buckets.append(Bucket(b, indices, members, [names[i] for i in indices], offsets,
+                              buffer))
     return buckets

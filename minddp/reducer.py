@@ -49,12 +49,9 @@ class Reducer:
         self.progress = progress  # health.PeerProgress: names the peer when a bucket fails
         self.buckets = bucketing.build(self.params, self.names, bucket_cap_bytes,
                                        first_bucket_bytes)
-        self._where = {}    # parameter index -> (bucket, position in bucket)
-        self._members = {}  # bucket index -> its parameters' indices, in bucket order
-        position = {id(p): i for i, p in enumerate(self.params)}
+        self._where = {}  # parameter index -> (bucket, position in bucket)
         for bucket in self.buckets:
-            self._members[bucket.index] = [position[id(p)] for p in bucket.params]
-            for i, index in enumerate(self._members[bucket.index]):
+            for i, index in enumerate(bucket.indices):
                 self._where[index] = (bucket, i)
         self.comm_hook = None
         self.hook_state = None
@@ -237,12 +234,11 @@ class Reducer:
             globally_used = self._wait(self._used_future, "the used-parameter map") > 0
             self.used.zero_()  # the next accumulation starts afresh
         for bucket in self.buckets:
-            # Write each bucket back as soon as it is reduced: copying one
-            # overlaps the next one's communication (the MLP's first bucket is
-            # 4 MiB, about a millisecond of copying taken off the tail).
+            # Write each bucket back as soon as it is reduced, as torch's
+            # finalize does: copying one overlaps the next one's communication.
             if globally_used is None:
                 self._collect(bucket)
-            for i, index in enumerate(self._members[bucket.index]):
+            for i, index in enumerate(bucket.indices):
                 if globally_used is not None and not globally_used[index]:
                     continue  # no rank used it: leave .grad as it was, as torch does
                 self._write_grad(bucket.params[i], bucket.view(i))
