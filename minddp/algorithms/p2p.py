@@ -187,9 +187,8 @@ class Link:
     def _send(self, item, tag, plain):
         peer, payload = item[0], item[1]
         tag = item[2] if len(item) == 3 else tag
-        if not isinstance(payload, list):
-            payload = [payload] if self.codec is None or plain else self.codec.encode(payload)
-        return self._post("send", peer, payload, tag)
+        wire = payload if isinstance(payload, list) else self.wire(payload, plain=plain)
+        return self._post("send", peer, wire, tag)
 
     # -- internals --------------------------------------------------------------
     def _slot_buffers(self, slot, view, codec):
