@@ -34,12 +34,15 @@ import torch
 import torch.distributed as dist
 
 # Segment size: big enough that the per-message cost is small, small enough
-# that adding one segment overlaps receiving the next (gloo uses ~1 MiB).
-SEGMENT_BYTES = 1 << 20
+# that adding one segment overlaps receiving the next. gloo's own ring uses
+# 1 MiB, but each of our messages also costs a c10d work object, a Python
+# wake-up and gloo's ready notices: at 2 MiB a 25 MiB ring on 2 CPU ranks ran
+# 0.95-1.00 of gloo's time, at 1 MiB 1.12-1.16 (benchmarks/collectives.py).
+SEGMENT_BYTES = 2 << 20
 # Bytes of receives in flight per peer while adding: reused buffers, so they
-# stay in cache, yet enough segments that the link never waits for a receive
-# to be posted (a wake-up can take 0.2 ms on a busy machine).
-WINDOW_BYTES = 4 << 20
+# stay in cache, yet enough segments (4) that the link never waits for a
+# receive to be posted (a wake-up can take 0.2 ms on a busy machine).
+WINDOW_BYTES = 8 << 20
 
 _local = threading.local()  # per thread: scratch buffers, group membership
 _wire_templates = weakref.WeakKeyDictionary()  # codec -> {(numel, dtype, device): wire shapes}
