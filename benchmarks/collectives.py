@@ -7,7 +7,8 @@ For each size (4 B .. 64 MiB of float32) every algorithm runs interleaved,
 repetition by repetition (in a fresh random order each time), after a barrier; a
 repetition's time is the slowest rank's. Reported: median time, algbw =
 bytes / time and busbw = algbw * 2(p-1)/p (nccl-tests' definitions), and the
-median over repetitions of time / native time (fair on a noisy machine).
+median over repetitions of time / native time (fair on a noisy machine), and
+likewise time / the time of the fastest algorithm (by median) at that size.
 `--model` adds the alpha-beta cost model's prediction (costs measured at
 start-up, as `algorithm="auto"` does) and its relative error. Writes
 results/collectives_p{N}.json and .png; progress goes to stderr.
@@ -110,11 +111,23 @@ def run(args, rank, world, device):
             row["model_us"] = cost_model.predict(model_name, nbytes, world, costs) * 1e6
             row["model_error"] = (row["model_us"] - row["time_us"]) / row["time_us"]
             rows.append(row)
-        best = min(median(times[n]) for n in args.algorithms)
+        to_best = relative_to_best(times)
         for row in rows[-len(args.algorithms):]:
-            row["ratio_to_best"] = row["time_us"] * 1e-6 / best
+            row["ratio_to_best"] = to_best[row["algorithm"]]
         progress.step(f"{_human(nbytes)}: {reps} reps")
     return rows, costs
+
+
+def relative_to_best(times):
+    """name -> median over repetitions of its time / the fastest algorithm's time.
+
+    The fastest is the one with the lowest median; pairing repetition by
+    repetition (as /native does) cancels slow spells that hit a whole
+    repetition, where a ratio of two medians would set each algorithm against
+    the luckiest of several noisy medians.
+    """
+    best = min(times, key=lambda name: median(times[name]))
+    return {name: pairwise_ratio(t, times[best]) for name, t in times.items()}
 
 
 def _human(nbytes):
@@ -129,7 +142,7 @@ def report(rows, costs, args, world):
                ("time_us", "median us", "{:.1f}"), ("algbw_gbs", "algbw GB/s", "{:.3f}"),
                ("busbw_gbs", "busbw GB/s", "{:.3f}"),
                ("ratio_to_native", "/native (pairwise)", "{:.2f}"),
-               ("ratio_to_best", "/best", "{:.2f}"), ("picked", "auto picked", "{}")]
+               ("ratio_to_best", "/best (pairwise)", "{:.2f}"), ("picked", "auto picked", "{}")]
     if args.model:
         columns += [("model_us", "model us", "{:.1f}"), ("model_error", "model err", "{:+.0%}")]
     shown = [dict(r, size=_human(r["bytes"])) for r in rows]

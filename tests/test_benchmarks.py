@@ -42,3 +42,48 @@ def test_compare_writes_every_row(tmp_path):
             assert row["comm_ms"] > 0 and 0.0 <= row["hidden_share"] <= 1.0
     present = {r["name"] for r in written if r["absent"] is None}
     assert {"no_comm", "torch_ddp", "torch_ddp_fp16", "minddp_native"} <= present
+
+
+def _collectives(rank, world_size, out):
+    import torch
+    import collectives
+    args = collectives.parse_args(["--sizes", "4", "4096", "--budget", "0.05", "--model",
+                                   "--out", out])
+    rows, costs = collectives.run(args, rank, world_size, torch.device("cpu"))
+    if rank == 0:
+        collectives.report(rows, costs, args, world_size)
+    return rows
+
+
+def test_collectives_writes_a_row_per_algorithm_and_size(tmp_path):
+    import collectives
+    rows = run_world(_collectives, 2, str(tmp_path), timeout=240)[0]
+    with open(tmp_path / "collectives_p2.json") as f:
+        written = json.load(f)["rows"]
+    assert (tmp_path / "collectives_p2.png").stat().st_size > 0
+    assert [(r["bytes"], r["algorithm"]) for r in written] == [
+        (size, name) for size in (4, 4096) for name in collectives.ALGORITHMS]
+    for size in (4, 4096):
+        mine = [r for r in rows if r["bytes"] == size]
+        for row in mine:
+            for key in ("time_us", "ratio_to_native", "ratio_to_best", "model_us"):
+                assert row[key] > 0, (size, row["algorithm"], key, row[key])
+        # /best is paired against the algorithm with the lowest median: that
+        # row is exactly 1 and (being a median of ratios) no row needs to be.
+        fastest = min(mine, key=lambda r: r["time_us"])
+        assert fastest["ratio_to_best"] == 1.0
+        assert [r["picked"] for r in mine if r["algorithm"] == "auto"][0] in collectives.ALGORITHMS
+
+
+def test_relative_to_best_pairs_each_repetition_with_the_fastest():
+    import collectives
+    # Slow spells hit whole repetitions: b (the lowest median) ran slow in
+    # repetitions 3-4, a in 2-4. a is 1.1x b in all but one repetition; its
+    # median over b's would say 5.5.
+    times = {"b": [1.0, 1.0, 1.0, 5.0, 5.0],
+             "a": [1.1, 1.1, 5.5, 5.5, 5.5],
+             "c": [9.0, 9.0, 9.0, 9.0, 9.0]}
+    ratios = collectives.relative_to_best(times)
+    assert ratios["b"] == 1.0
+    assert abs(ratios["a"] - 1.1) < 1e-9
+    assert abs(ratios["c"] - 9.0) < 1e-9  # median of 9, 9, 9, 1.8, 1.8
