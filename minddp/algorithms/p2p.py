@@ -37,7 +37,7 @@ import torch.distributed as dist
 # that adding one segment overlaps receiving the next. gloo's own ring uses
 # 1 MiB, but each of our messages also costs a c10d work object, a Python
 # wake-up and gloo's ready notices: at 2 MiB a 25 MiB ring on 2 CPU ranks ran
-# 0.95-1.00 of gloo's time, at 1 MiB 1.12-1.16 (benchmarks/collectives.py).
+# 0.95-1.08 of gloo's time, at 1 MiB 1.12-1.25 (benchmarks/collectives.py).
 SEGMENT_BYTES = 2 << 20
 # Bytes of receives in flight per peer while adding: reused buffers, so they
 # stay in cache, yet enough segments (4) that the link never waits for a
