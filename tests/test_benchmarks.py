@@ -69,7 +69,8 @@ def test_collectives_writes_a_row_per_algorithm_and_size(tmp_path):
             for key in ("time_us", "ratio_to_native", "ratio_to_best", "model_us"):
                 assert row[key] > 0, (size, row["algorithm"], key, row[key])
         # /best is paired against the algorithm with the lowest median: that
-        # row is exactly 1 and (being a median of ratios) no row needs to be.
+        # row is exactly 1. The others are medians of per-repetition ratios,
+        # so they are not bounded below by 1 and are not checked against it.
         fastest = min(mine, key=lambda r: r["time_us"])
         assert fastest["ratio_to_best"] == 1.0
         assert [r["picked"] for r in mine if r["algorithm"] == "auto"][0] in collectives.ALGORITHMS
