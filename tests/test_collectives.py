@@ -88,6 +88,28 @@ def _check_sums(rank, world_size, algorithm, sizes, dtypes):
                 f"{tensor[:8].tolist()}..., expected {expected[:8].tolist()}...")
 
 
+def _check_pieces(rank, world_size, algorithm, noise):
+    """A list of tensors is reduced as their concatenation, each piece in place, and
+    bit for bit as the concatenated tensor would be (segments never span pieces)."""
+    module = algorithms.ALGORITHMS[algorithm]
+    sizes = [0, 1, 70, 5, 33]  # with 64-byte segments: pieces of 1 to 5 segments
+    for dtype in (torch.float32, torch.int64):
+        whole = _values(rank, sum(sizes), dtype)
+        pieces = [part.clone() for part in whole.split(sizes)]
+        out = module.all_reduce(pieces, None)
+        assert out is pieces and all(t.data_ptr() == p.data_ptr() for t, p in zip(out, pieces))
+        got = torch.cat(pieces)
+        assert torch.equal(got, _expected(world_size, sum(sizes), dtype)), (
+            f"{algorithm} on pieces {sizes} of {dtype}: rank {rank} got {got.tolist()}")
+    if world_size > 1:
+        with pytest.raises(ValueError, match="mix dtypes"):
+            module.all_reduce([torch.ones(3), torch.ones(3, dtype=torch.int64)], None)
+    pieces = [part.clone() for part in noise.split([4000, 99])]
+    module.all_reduce(pieces, None)
+    assert _digest(torch.cat(pieces)) == _digest(minddp.all_reduce(noise.clone(), algorithm)), (
+        f"{algorithm}: pieces summed differently from the whole tensor")
+
+
 def _record_sends(rank, world_size):
     """Per algorithm: the (op, peer) of every message this rank posts."""
     original, log = p2p.Link._post, []
@@ -133,6 +155,7 @@ def _grid(rank, world_size):
         # (Not torch.testing.assert_close: its first call imports sympy, seconds per rank.)
         error = (lossy - minddp.all_reduce(noise.clone(), algorithm)).abs().max().item()
         assert error < 0.05 * world_size, f"{algorithm} with an fp16 codec: error {error}"
+        _check_pieces(rank, world_size, algorithm, noise)
     p2p.SEGMENT_BYTES, tree.SEGMENT_BYTES = default_segments
     job = algorithms.planner("auto", dist.group.WORLD, codec=_IdentityCodec())
     tensor = _values(rank, 4099, torch.float32)
@@ -204,6 +227,8 @@ def test_dead_peer_raises_naming_algorithm_and_peer():
 def test_refuses_sparse_and_unknown_names():
     with pytest.raises(TypeError, match="dense"):
         p2p.run("ring", None, torch.eye(3).to_sparse(), _FakeGroup(2))
+    with pytest.raises(ValueError, match="not contiguous"):
+        p2p.run("ring", None, [torch.ones(2), torch.eye(3).t()[:, :2]], _FakeGroup(2))
     with pytest.raises(ValueError, match="choose one of"):
         minddp.all_reduce(torch.ones(2), algorithm="butterfly")
     with pytest.raises(ValueError, match="codec"):

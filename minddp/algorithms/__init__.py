@@ -5,7 +5,10 @@ tensor`: an in-place sum over `group`, called by every rank of the group with
 a tensor of the same shape and dtype, returning the same tensor. `codec`
 (compression) routes every hop through encode/decode (see p2p.py); the
 backend's own all-reduce ("native") takes none, and also offers
-`all_reduce_async(tensor, group) -> Future`.
+`all_reduce_async(tensor, group) -> Future`. `tensor` may also be a list of
+tensors of one dtype, reduced as their concatenation, each in place: our own
+algorithms run on the pieces where they lie (the wrapper's large gradients),
+native reduces a concatenated copy.
 
     ring              reduce-scatter + all-gather, 2(p-1) steps, bandwidth-optimal
     tree              binary-tree reduce + broadcast, 2 log p steps, pipelined
@@ -46,14 +49,20 @@ def planner(algorithm, group, codec=None):
     chooser = (auto.Chooser(group, with_native=codec is None, codec=codec)
                if algorithm == "auto" else None)
 
+    def pick(bucket):
+        return chooser.pick(bucket) if chooser is not None else algorithm
+
     def job(bucket, group):
-        name = chooser.pick(bucket) if chooser is not None else algorithm
+        name = pick(bucket)
         if name == "native":
             return native.all_reduce_async(bucket, group)
         return ALGORITHMS[name].all_reduce(bucket, group, codec=codec)
 
     job.__name__ = f"{algorithm}_all_reduce"
     job.chooser = chooser  # auto: the wrapper has it decide for its buckets up front
+    # Whether a bucket of this size may come as a list of pieces in place
+    # (see p2p.run): our own algorithms, not the backend's, which needs a copy.
+    job.takes_pieces = lambda bucket: pick(bucket) != "native"
     return job
 
 

@@ -13,7 +13,9 @@ winner is the candidate whose time is the lowest multiple of each round's
 best, in the median over rounds. That costs a few all-reduces of each
 candidate once per size (about 1 s for a 25 MiB bucket on 2 CPU ranks;
 candidates predicted over 3x slower are skipped) and makes every rank pick
-the same algorithm. Each choice is logged once at debug level (logger
+the same algorithm. In the wrapper, native is timed with one more copy: that
+of the bucket's gradients our algorithms reduce in place (reducer.py), which
+native's result has to be copied back into. Each choice is logged once at debug level (logger
 "minddp.algorithms") with the predicted and measured times.
 """
 import logging
@@ -50,13 +52,23 @@ class Chooser:
         self.names = [n for n in CANDIDATES if with_native or n != "native"]
         self._picked = {}
 
-    def tune(self, tensors):
-        """Decide now for each tensor's size (a collective: every rank, same tensors)."""
-        for tensor in tensors:
-            self.pick(tensor)
+    def tune(self, tensors, copied=None):
+        """Decide now for each tensor's size (a collective: every rank, same tensors).
 
-    def pick(self, tensor):
-        nbytes = tensor.numel() * tensor.element_size()
+        `copied[i]`: bytes of tensor i that native would have to copy back and
+        our algorithms would not (the wrapper's gradients reduced in place):
+        native is timed with that copy added.
+        """
+        for tensor, extra in zip(tensors, copied or [0] * len(tensors)):
+            self.pick(tensor, extra)
+
+    def pick(self, tensor, copied=0):
+        """The algorithm for `tensor`'s size (a tensor, or a list of pieces: their total).
+
+        A size is decided once, the first time it comes up (see `tune` for `copied`).
+        """
+        numel, dtype, device = _size_of(tensor)
+        nbytes = numel * dtype.itemsize
         if nbytes in self._picked:
             return self._picked[nbytes]
         if self.costs is None:  # a world of one
@@ -69,23 +81,26 @@ class Chooser:
             # tens of percent, not 3x, and each round would cost the most.
             best = min(predicted.values())
             timed = [n for n in self.names if predicted[n] <= max(3 * best, 5e-3)]
-            times = self._time(tensor, timed, sum(predicted[n] for n in timed))
+            times = self._time(numel, dtype, device, timed,
+                               sum(predicted[n] for n in timed), copied // dtype.itemsize)
             measured = {n: times[i].median().item() for i, n in enumerate(timed)}
             self._picked[nbytes] = _fastest(_relative(times, timed))
         else:
             measured = {}
             self._picked[nbytes] = min(self.names, key=predicted.__getitem__)
-        log.debug("minddp auto on %d ranks: %d-byte bucket -> %s (predicted %s%s)", self.p,
-                  nbytes, self._picked[nbytes],
+        log.debug("minddp auto on %d ranks: %d-byte bucket (%d in place) -> %s (predicted "
+                  "%s%s)", self.p, nbytes, copied, self._picked[nbytes],
                   ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in predicted.items()),
                   "; measured " + ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in measured.items())
                   if measured else "")
         return self._picked[nbytes]
 
-    def _time(self, like, names, predicted_round):
+    def _time(self, numel, dtype, device, names, predicted_round, copied=0):
         """Seconds of each of `names` (rows) per round (columns) on a scratch tensor
-        like `like`, the slowest rank's, the same on every rank."""
-        scratch = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+        of that size, the slowest rank's, the same on every rank; native's with a
+        copy of `copied` elements after it."""
+        scratch = torch.zeros(numel, dtype=dtype, device=device)
+        copy_to = torch.empty(copied, dtype=dtype, device=device)
         # Rounds: as many as fit in ~0.4 s by the model's account, 5 to 50.
         # Small buckets take well under a millisecond, about as long as the
         # machine's hiccups, so they get the most rounds.
@@ -97,6 +112,8 @@ class Chooser:
                 dist.barrier(group=self.group)
                 start = time.perf_counter()
                 self._run(name, scratch)
+                if name == "native" and copied:
+                    copy_to.copy_(scratch[:copied])
                 if scratch.is_cuda:
                     torch.cuda.synchronize(scratch.device)
                 if r:
@@ -108,6 +125,14 @@ class Chooser:
         if name == "native":
             return native.all_reduce(tensor, self.group)
         return CANDIDATES[name].all_reduce(tensor, self.group, codec=self.codec)
+
+
+def _size_of(tensor):
+    """(numel, dtype, device) of a tensor, or of a list of pieces taken together."""
+    if isinstance(tensor, (list, tuple)):
+        first = tensor[0] if tensor else torch.empty(0)
+        return sum(t.numel() for t in tensor), first.dtype, first.device
+    return tensor.numel(), tensor.dtype, tensor.device
 
 
 # The backend's all-reduce wins a near tie: it runs on the backend's own

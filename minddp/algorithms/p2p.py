@@ -2,8 +2,10 @@
 
 An algorithm is a function `body(link)` that moves slices of one flat tensor
 between ranks with `link.exchange(sends, recvs, mode)`; `run()` prepares that
-flat tensor and the link. Everything the algorithms would otherwise repeat
-lives here:
+flat tensor and the link. The flat tensor may come in pieces (a list of 1-D
+tensors, reduced as if concatenated): the wrapper hands over large gradients
+where they lie in `.grad`, so they need no copy into a bucket and back.
+Everything the algorithms would otherwise repeat lives here:
 - chunking (`chunk_bounds`) and segmenting (`link.segments`): large chunks are
   cut into segments so the reduction of one overlaps the transfer of the next;
 - the codec hook: every hop goes through `link.wire` / `exchange` (encode,
@@ -64,46 +66,97 @@ def run(algorithm, body, tensor, group, codec=None, segment_bytes=None):
 
     Every rank of the group must call it with a tensor of the same shape and
     dtype. Non-contiguous tensors are reduced through a contiguous copy.
+    `tensor` may also be a list of contiguous tensors of one dtype and device,
+    summed as one flat tensor in pieces: every rank must give the same sizes.
     `segment_bytes` defaults to SEGMENT_BYTES.
     """
     group = group if group is not None else dist.group.WORLD
-    if tensor.layout != torch.strided:
-        raise TypeError(f"minddp {algorithm} all-reduce (rank {group.rank()}): the tensor has "
-                        f"layout {tensor.layout}; only dense tensors can be reduced, call "
-                        f".to_dense() first.")
+    if isinstance(tensor, (list, tuple)):
+        pieces = [_piece(piece, algorithm, group) for piece in tensor]
+        pieces = [piece for piece in pieces if piece.numel()]
+        rank, size, backend = _membership(group)
+        if size > 1 and pieces:
+            _reduce(algorithm, body, pieces, group, codec, segment_bytes, rank, size, backend)
+        return tensor
+    _check_dense(tensor, algorithm, group)
     rank, size, backend = _membership(group)
     if size == 1 or tensor.numel() == 0:
         return tensor
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
-    flat = work if work.dim() == 1 else work.view(-1)
-    staged = work.is_cuda and backend == "gloo"
-    if staged:
-        flat = _scratch(work.numel(), work.dtype, torch.device("cpu"), "stage", pinned=True)
-        flat.copy_(work.view(-1))
-    body(Link(algorithm, flat, group, codec, segment_bytes or SEGMENT_BYTES, rank, size))
-    if staged:
-        work.view(-1).copy_(flat)
+    _reduce(algorithm, body, [work.view(-1)], group, codec, segment_bytes, rank, size, backend)
     if work is not tensor:
         tensor.copy_(work)
     return tensor
 
 
-class Link:
-    """One all-reduce call as seen by one rank: its flat tensor, peers and codec."""
+def _check_dense(tensor, algorithm, group):
+    if tensor.layout != torch.strided:
+        raise TypeError(f"minddp {algorithm} all-reduce (rank {group.rank()}): the tensor has layout "
+                        f"{tensor.layout}; only dense tensors can be reduced, call "
+                        f".to_dense() first.")
 
-    def __init__(self, algorithm, flat, group, codec, segment_bytes, rank, size):
-        self.algorithm, self.flat, self.group, self.codec = algorithm, flat, group, codec
+
+def _piece(tensor, algorithm, group):
+    """One piece of a tensor list as a 1-D view; pieces must be contiguous."""
+    _check_dense(tensor, algorithm, group)
+    if not tensor.is_contiguous():
+        raise ValueError(f"minddp {algorithm} all-reduce (rank {group.rank()}): a piece of a tensor "
+                         f"list is not contiguous; pass contiguous tensors (.contiguous()).")
+    return tensor.view(-1)
+
+
+def _reduce(algorithm, body, pieces, group, codec, segment_bytes, rank, size, backend):
+    dtypes, devices = {p.dtype for p in pieces}, {p.device for p in pieces}
+    if len(dtypes) > 1 or len(devices) > 1:
+        raise ValueError(f"minddp {algorithm} all-reduce (rank {rank}): the pieces of a "
+                         f"tensor list mix dtypes {sorted(map(str, dtypes))} or devices "
+                         f"{sorted(map(str, devices))}; reduce each kind separately.")
+    staged = pieces if pieces[0].is_cuda and backend == "gloo" else None
+    if staged:
+        # gloo sends CPU tensors only: reduce a pinned CPU copy, then copy back.
+        numel = sum(p.numel() for p in pieces)
+        pieces = [_scratch(numel, pieces[0].dtype, torch.device("cpu"), "stage", pinned=True)]
+        for start, piece in _placed(staged):
+            pieces[0][start:start + piece.numel()].copy_(piece)
+    body(Link(algorithm, pieces, group, codec, segment_bytes or SEGMENT_BYTES, rank, size))
+    if staged:
+        for start, piece in _placed(staged):
+            piece.copy_(pieces[0][start:start + piece.numel()])
+
+
+def _placed(pieces):
+    """(offset in the concatenation, piece) for each piece."""
+    start = 0
+    for piece in pieces:
+        yield start, piece
+        start += piece.numel()
+
+
+class Link:
+    """One all-reduce call as seen by one rank: its flat tensor (in pieces), peers and codec."""
+
+    def __init__(self, algorithm, pieces, group, codec, segment_bytes, rank, size):
+        self.algorithm, self.group, self.codec = algorithm, group, codec
+        self.pieces = pieces  # 1-D, contiguous, one dtype; concatenated they are the tensor
+        self.flat = pieces[0] if len(pieces) == 1 else None
         self.rank, self.size = rank, size
-        self.numel = flat.numel()
+        self.numel = sum(p.numel() for p in pieces)
+        self.itemsize = pieces[0].element_size()
         # Segments are sized by what travels: compressed, twice the elements.
-        wire_size = codec.wire_itemsize(flat.dtype) if codec is not None else flat.element_size()
+        wire_size = codec.wire_itemsize(pieces[0].dtype) if codec is not None else self.itemsize
         self.segment = max(1, segment_bytes // wire_size)
 
     def segments(self, start, end):
-        """Views of flat[start:end] cut into segments; an empty range gives no segment."""
-        if start == 0 and end == self.numel <= self.segment:
+        """Views of the flat tensor's [start, end) cut into segments (a segment never
+        spans two pieces); an empty range gives no segment."""
+        if self.flat is not None and start == 0 and end == self.numel <= self.segment:
             return [self.flat]  # the common small bucket: no slicing (each costs ~1 us)
-        return [self.flat[s:min(s + self.segment, end)] for s in range(start, end, self.segment)]
+        views = []
+        for base, piece in _placed(self.pieces):
+            lo, hi = max(start, base), min(end, base + piece.numel())
+            views += [piece[s - base:min(s + self.segment, hi) - base]
+                      for s in range(lo, hi, self.segment)]
+        return views
 
     def wire(self, view, final=False, plain=False):
         """What goes on the wire for `view`: the view itself, or the codec's encoding.
@@ -147,7 +200,7 @@ class Link:
         codec = None if plain else self.codec
         recvs = [item if len(item) == 4 else (*item, mode, tag) for item in recvs]
         adders = {peer for peer, _, how, _ in recvs if how == "add"}
-        per_peer = max(2, WINDOW_BYTES // (self.segment * self.flat.element_size()))
+        per_peer = max(2, WINDOW_BYTES // (self.segment * self.itemsize))
         free = list(range(min(len(recvs), per_peer * len(adders))))  # window slots not in use
         wires, posted, slots = [None] * len(recvs), [], {}
 
