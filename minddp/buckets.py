@@ -6,8 +6,16 @@ parameters and is the first one that can be sent while backward goes on.
 The first bucket is capped small (1 MiB as in torch, or the cap if smaller)
 so communication starts early; the others at `bucket_cap_mb`. A bucket never
 mixes dtypes or devices, because it is one flat tensor.
+
+Large gradients can skip the buffer: our own all-reduce algorithms take a
+bucket as a list of pieces (p2p.run), so a gradient of at least
+`in_place_bytes` is reduced where it lies, in `.grad`, saving a copy into the
+buffer and one back out (a tenth of the MLP benchmark's step). The buffer
+keeps a slot for each of them anyway: comm hooks, the backend's all-reduce
+and gradients that cannot be used in place (missing, strided) go through it.
+Within a bucket the small parameters come first, so they form one piece.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,12 +31,31 @@ class Bucket:
     names: list           # their names, for error messages
     offsets: list         # element offset of each parameter in the buffer
     buffer: torch.Tensor  # flat, 1-D, dtype and device of its parameters
+    large: int = 0        # the last `large` parameters may be reduced in place
     pending: int = 0      # parameters not ready yet in this iteration
+    live: dict = field(default_factory=dict)  # position -> .grad reduced in place this time
 
     def view(self, i):
         """The slice of the buffer that holds parameter i's gradient, shaped like it."""
         p = self.params[i]
         return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+    def pieces(self):
+        """The bucket as flat pieces for an in-place all-reduce: the small parameters'
+        slots as one piece, then each large parameter's live .grad, or its slot.
+        The sizes are the same every time and on every rank."""
+        first = len(self.params) - self.large
+        end = self.offsets[first] if self.large else self.buffer.numel()
+        pieces = [self.buffer[:end]] if first else []
+        for i in range(first, len(self.params)):
+            pieces.append(self.live[i].view(-1) if i in self.live else self.view(i).view(-1))
+        return pieces
+
+    @property
+    def large_bytes(self):
+        """Bytes of the parameters that may be reduced in place."""
+        return sum(p.numel() * p.element_size() for p in self.params[len(self.params) -
+                                                                      self.large:])
 
     @property
     def nbytes(self):
@@ -61,10 +88,19 @@ def assign(params, cap_bytes, first_cap_bytes=FIRST_BUCKET_BYTES):
     return closed
 
 
-def build(params, names, cap_bytes, first_cap_bytes=FIRST_BUCKET_BYTES):
-    """Allocate the buckets for `params` (registration order); see `assign`."""
+def build(params, names, cap_bytes, first_cap_bytes=FIRST_BUCKET_BYTES, in_place_bytes=None):
+    """Allocate the buckets for `params` (registration order); see `assign`.
+
+    Parameters of at least `in_place_bytes` (None: none) go last in their
+    bucket and are counted in `Bucket.large`.
+    """
     buckets = []
     for b, indices in enumerate(assign(params, cap_bytes, first_cap_bytes)):
+        is_large = [in_place_bytes is not None and
+                    params[i].numel() * params[i].element_size() >= in_place_bytes
+                    for i in indices]
+        indices = ([i for i, big in zip(indices, is_large) if not big] +
+                   [i for i, big in zip(indices, is_large) if big])
         members = [params[i] for i in indices]
         offsets, total = [], 0
         for p in members:
@@ -72,5 +108,5 @@ def build(params, names, cap_bytes, first_cap_bytes=FIRST_BUCKET_BYTES):
             total += p.numel()
         buffer = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
         buckets.append(Bucket(b, indices, members, [names[i] for i in indices], offsets,
-                              buffer))
+                              buffer, large=sum(is_large)))
     return buckets

@@ -41,7 +41,10 @@ class DistributedDataParallel(nn.Module):
     Every rank of `process_group` (default: the world) must construct it with
     the same model and arguments. Keywords mean what they mean in torch's DDP;
     `algorithm` picks the all-reduce ("native" is the backend's own, "auto"
-    chooses), `compression` sends gradients as fp16/bf16. `timeout` bounds the
+    chooses), `compression` sends gradients as fp16/bf16. `in_place_mb`: our
+    own algorithms reduce gradients of at least this many MiB where they lie in
+    `.grad`, with no copy through the bucket (None: never; such a `.grad` holds
+    partial sums until backward returns, see reducer.py). `timeout` bounds the
     wait for a peer (default: the process group's); `timeline` is a path prefix
     for a Chrome trace of this rank's buckets (default: $MINDDP_TIMELINE).
     """
@@ -49,7 +52,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module, device_ids=None, output_device=None, broadcast_buffers=True,
                  process_group=None, bucket_cap_mb=25, find_unused_parameters=False,
                  gradient_as_bucket_view=False, algorithm="auto", compression=None,
-                 timeout=None, timeline=None):
+                 in_place_mb=1, timeout=None, timeline=None):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("minddp: the default process group is not initialised; call "
@@ -59,7 +62,7 @@ class DistributedDataParallel(nn.Module):
         rank = dist.get_rank(group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._check_arguments(module, named, rank, device_ids, bucket_cap_mb, algorithm,
-                              compression)
+                              compression, in_place_mb)
         self.module = module
         self.device_ids = device_ids
         self.output_device = output_device
@@ -78,7 +81,7 @@ class DistributedDataParallel(nn.Module):
         settings = {"bucket_cap_mb": bucket_cap_mb, "algorithm": algorithm,
                     "compression": compression, "find_unused_parameters": find_unused_parameters,
                     "gradient_as_bucket_view": gradient_as_bucket_view,
-                    "broadcast_buffers": broadcast_buffers}
+                    "broadcast_buffers": broadcast_buffers, "in_place_mb": in_place_mb}
         self.comm_group = self._join_peers(module, named, settings, group, rank, timeout)
         # A Chrome trace of this rank's buckets (timeline.py), if asked for.
         self.timeline = from_environment(rank, timeline)
@@ -98,12 +101,16 @@ class DistributedDataParallel(nn.Module):
                                                                label=label),
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view, describe=f"algorithm {algorithm!r}",
+            in_place_bytes=None if in_place_mb is None else int(in_place_mb * 1024 * 1024),
+            takes_pieces=getattr(job, "takes_pieces", None),
             timeline=self.timeline,
             progress=PeerProgress(group, self.comm_group) if self.world_size > 1 else None)
         if getattr(job, "chooser", None) is not None:
             # auto: time the candidates on each bucket size now, every rank
             # at once, rather than inside the first backward.
-            job.chooser.tune([bucket.buffer for bucket in self.reducer.buckets])
+            # Native would copy in-place gradients back from the bucket: timed too.
+            job.chooser.tune([bucket.buffer for bucket in self.reducer.buckets],
+                             copied=[bucket.large_bytes for bucket in self.reducer.buckets])
 
     @staticmethod
     def _join_peers(module, named, settings, group, rank, timeout):
@@ -131,7 +138,8 @@ class DistributedDataParallel(nn.Module):
                 f"Cause: {str(e).splitlines()[0]}") from e
 
     @staticmethod
-    def _check_arguments(module, named, rank, device_ids, bucket_cap_mb, algorithm, compression):
+    def _check_arguments(module, named, rank, device_ids, bucket_cap_mb, algorithm, compression,
+                         in_place_mb):
         where = f"minddp (rank {rank})"
         if not named:
             raise ValueError(f"{where}: the module has no parameter that requires grad, so "
@@ -154,6 +162,10 @@ class DistributedDataParallel(nn.Module):
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ValueError(f"{where}: bucket_cap_mb must be a positive number of MiB, "
                              f"got {bucket_cap_mb!r}.")
+        if in_place_mb is not None and (not isinstance(in_place_mb, (int, float)) or
+                                        in_place_mb < 0):
+            raise ValueError(f"{where}: in_place_mb must be a number of MiB >= 0, or None to "
+                             f"copy every gradient through its bucket; got {in_place_mb!r}.")
         if algorithm not in algorithms.CHOICES:
             raise ValueError(f"{where}: unknown algorithm {algorithm!r}; choose one of "
                              f"{list(algorithms.CHOICES)}.")

@@ -4,13 +4,22 @@ One iteration, as the reducer sees it:
 
     forward  -> prepare(outputs)       arm; note unused parameters (find_unused_parameters)
     backward -> hook(param) per param  copy .grad into its bucket slot (divided by the
-                                       world size unless a comm hook runs); a bucket whose
-                                       last slot is filled is launched, but only once every
-                                       bucket before it has been: launches go in index order
-                                       on every rank, whatever order gradients arrive in
+                                       world size unless a comm hook runs), or divide a
+                                       large .grad where it is (in place, see below); a
+                                       bucket whose last gradient is ready is launched, but
+                                       only once every bucket before it has been: launches
+                                       go in index order on every rank, whatever order
+                                       gradients arrive in
              -> finalize()             (autograd engine callback, end of backward) wait for
                                        each bucket in turn and write it back to .grad, so
                                        copying one overlaps the next one's communication
+
+In place: when the bucket's algorithm is one of ours (not the backend's, not
+a comm hook) and gradient_as_bucket_view is off, gradients of at least
+`in_place_bytes` are all-reduced in .grad itself, the bucket being a list of
+pieces (buckets.py). That skips two copies of most of the bytes; in exchange
+such a .grad holds partial sums while backward runs (as with
+gradient_as_bucket_view), and is the mean once backward returns.
 
 A parameter that never got its gradient leaves its bucket unlaunched; that is
 reported at the next forward, naming the parameters and the rank.
@@ -32,11 +41,14 @@ class Reducer:
     `reduce(buffer) -> Future` sums a bucket buffer over the ranks (in place or
     not; the future's value is the reduced tensor). `reduce_used(tensor) ->
     Future` sums the used-parameter map (find_unused_parameters only).
+    `takes_pieces(buffer) -> bool` says whether `reduce` may be given the
+    bucket as a list of pieces in place instead (see the module docstring).
     """
 
     def __init__(self, named_params, *, world_size, rank, bucket_cap_bytes, reduce, reduce_used,
                  find_unused_parameters=False, gradient_as_bucket_view=False, describe="native",
-                 first_bucket_bytes=bucketing.FIRST_BUCKET_BYTES, timeline=None, progress=None):
+                 first_bucket_bytes=bucketing.FIRST_BUCKET_BYTES, in_place_bytes=None,
+                 takes_pieces=None, timeline=None, progress=None):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.world_size, self.rank = world_size, rank
@@ -48,7 +60,10 @@ class Reducer:
         self.timeline = timeline  # see timeline.py; None records nothing
         self.progress = progress  # health.PeerProgress: names the peer when a bucket fails
         self.buckets = bucketing.build(self.params, self.names, bucket_cap_bytes,
-                                       first_bucket_bytes)
+                                       first_bucket_bytes,
+                                       None if gradient_as_bucket_view else in_place_bytes)
+        self._takes_pieces = takes_pieces
+        self._in_place = None       # per bucket: reduced as pieces in place (decided once)
         self._where = {}  # parameter index -> (bucket, position in bucket)
         for bucket in self.buckets:
             for i, index in enumerate(bucket.indices):
@@ -75,6 +90,7 @@ class Reducer:
             raise RuntimeError("minddp: register_comm_hook must be called before the first "
                                "backward pass")
         self.comm_hook, self.hook_state = hook, state
+        self._in_place = None  # a hook reduces the buffer: nothing in place
 
     # -- forward -----------------------------------------------------------------
     def check_finished(self):
@@ -145,6 +161,7 @@ class Reducer:
         self._used_future = None
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
+            bucket.live.clear()
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         for index in self._unused_at_forward:
             self._mark_ready(index)
@@ -176,6 +193,10 @@ class Reducer:
         elif self.as_view and grad.data_ptr() == view.data_ptr():
             if divide:
                 view.div_(self.divisor)  # already accumulated in place, in the bucket
+        elif i >= len(bucket.params) - bucket.large and self.in_place(bucket) and \
+                _fits(grad, view):
+            grad.mul_(1.0 / self.divisor)  # reduced right here: no copy into the bucket
+            bucket.live[i] = grad
         else:
             if divide:
                 torch.mul(grad, 1.0 / self.divisor, out=view)  # divide while copying
@@ -196,10 +217,19 @@ class Reducer:
         if self._next == len(self.buckets) and self.find_unused and self._used_future is None:
             self._used_future = self._reduce_used(self.used, "used-map")
 
+    def in_place(self, bucket):
+        """Whether `bucket` is reduced as pieces, its large gradients in place."""
+        if self._in_place is None:
+            self._in_place = [bool(b.large) and self.comm_hook is None and
+                              self._takes_pieces is not None and self._takes_pieces(b.buffer)
+                              for b in self.buckets]
+        return self._in_place[bucket.index]
+
     def _launch(self, bucket):
         """Start reducing one bucket: the comm hook if one is set, else our all-reduce."""
         if self.comm_hook is None:
-            return self._reduce(bucket.buffer, f"comm b{bucket.index}")
+            what = bucket.pieces() if self.in_place(bucket) else bucket.buffer
+            return self._reduce(what, f"comm b{bucket.index}")
         is_last = bucket.index == len(self.buckets) - 1
         return self.comm_hook(self.hook_state, GradBucket(bucket, is_last))
 
@@ -224,6 +254,8 @@ class Reducer:
                 f"reduced, so gradients are not synchronised. If some parameters legitimately "
                 f"take no part in the loss, pass find_unused_parameters=True; otherwise make sure "
                 f"every forward output contributes to the loss.")
+            for bucket in self.buckets:
+                bucket.live.clear()  # later reductions (join, benchmarks) leave .grad alone
             return
         globally_used = None
         if self.find_unused:
@@ -239,9 +271,12 @@ class Reducer:
             if globally_used is None:
                 self._collect(bucket)
             for i, index in enumerate(bucket.indices):
+                if i in bucket.live:
+                    continue  # reduced in place: .grad already is the mean
                 if globally_used is not None and not globally_used[index]:
                     continue  # no rank used it: leave .grad as it was, as torch does
                 self._write_grad(bucket.params[i], bucket.view(i))
+            bucket.live.clear()
         self.iterations += 1
 
     def _write_grad(self, param, view):
@@ -257,6 +292,9 @@ class Reducer:
         """Wait for one bucket's reduction and leave the result in its buffer."""
         what = f"bucket {bucket.index} ({len(bucket.params)} parameters, {bucket.nbytes} bytes)"
         result = self._wait(self._futures[bucket.index], what)
+        self._futures[bucket.index] = None
+        if self.comm_hook is None and self.in_place(bucket):
+            return  # our own algorithm summed the pieces where they lie
         if isinstance(result, (list, tuple)) and len(result) == 1:
             result = result[0]
         if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
@@ -268,7 +306,6 @@ class Reducer:
                 f"buffer ({bucket.buffer.numel()} elements, {bucket.buffer.dtype}).")
         if result is not bucket.buffer:
             bucket.buffer.copy_(result.reshape(-1))
-        self._futures[bucket.index] = None
 
     def _wait(self, future, what):
         try:
@@ -289,6 +326,7 @@ class Reducer:
         used-parameter map. Leaves .grad alone."""
         for bucket in self.buckets:
             bucket.buffer.zero_()
+            bucket.live.clear()
         futures = [self._launch(bucket) for bucket in self.buckets]
         if self.find_unused:
             self.used.zero_()
@@ -309,3 +347,9 @@ class Reducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _fits(grad, view):
+    """Whether `grad` can be reduced where it is, standing in for its bucket slot `view`."""
+    return (grad.is_contiguous() and grad.dtype == view.dtype and grad.device == view.device
+            and grad.shape == view.shape and not grad.requires_grad)

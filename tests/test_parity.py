@@ -99,6 +99,59 @@ def test_each_algorithm(algorithm, world_size, kwargs):
     _assert_ranks_equal(run_world(_train_both, world_size, name, 3, kwargs, ours))
 
 
+# in_place_mb=0: every gradient is reduced where it lies in .grad (normally
+# only those of 1 MiB and more), through unused parameters (find_unused),
+# accumulation under no_sync, non-power-of-two worlds and tiny buckets.
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "halving_doubling", "auto"])
+@pytest.mark.parametrize("world_size, name, kwargs, accumulate", [
+    (2, "deep", {}, 1),
+    (3, "deep", {"bucket_cap_mb": 0.002}, 1),
+    (2, "branch", {"find_unused_parameters": True}, 1),
+    (2, "batchnorm", {}, 3)],
+    ids=["2-ranks", "3-ranks-tiny-buckets", "2-ranks-unused", "2-ranks-no-sync"])
+def test_gradients_reduced_in_place(algorithm, world_size, name, kwargs, accumulate):
+    ours = dict(kwargs, algorithm=algorithm, in_place_mb=0)
+    _assert_ranks_equal(run_world(_train_both, world_size, name, 3, kwargs, ours, None,
+                                  accumulate))
+
+
+def _count_write_backs(rank, world_size, settings, hook):
+    counts = []
+    for kwargs in settings:
+        torch.manual_seed(0)
+        ddp = minddp.DDP(MODELS["deep"](), **kwargs)
+        if hook is not None:
+            ddp.register_comm_hook(None, hook)
+        original, written = ddp.reducer._write_grad, []
+        ddp.reducer._write_grad = lambda param, view: (written.append(param),
+                                                       original(param, view))
+        for step in range(2):
+            ddp(*batch("deep", rank, step)).square().mean().backward()
+        copied = [b for b in ddp.reducer.buckets if not ddp.reducer.in_place(b)]
+        counts.append((len(written), 2 * sum(len(b.params) for b in copied),
+                       2 * len(ddp.reducer.params)))
+    return counts
+
+
+def test_in_place_skips_the_write_back_only_where_it_may():
+    settings = [{"algorithm": "ring", "in_place_mb": 0},
+                {"algorithm": "auto", "in_place_mb": 0},
+                {"algorithm": "ring"},  # the default: 1 MiB, more than any of these
+                {"algorithm": "ring", "in_place_mb": None},
+                {"algorithm": "native", "in_place_mb": 0},
+                {"algorithm": "ring", "in_place_mb": 0, "gradient_as_bucket_view": True}]
+    (ring, auto, default, off, native, as_view), _ = run_world(_count_write_backs, 2, settings,
+                                                              None)
+    # (written back, expected to be, parameters x steps)
+    assert ring[:2] == (0, 0), ring
+    assert auto[0] == auto[1], f"auto: written back {auto[0]}, expected {auto[1]}"  # native copies
+    for name, counts in [("default", default), ("off", off), ("native", native),
+                         ("as_view", as_view)]:
+        assert counts[0] == counts[1] == counts[2], f"{name}: {counts}"
+    hooked, = run_world(_count_write_backs, 2, settings[:1], default_hooks.allreduce_hook)[0]
+    assert hooked[0] == hooked[2], f"a comm hook reduces the buffer, yet {hooked}"
+
+
 @pytest.mark.parametrize("name", ["batchnorm", "tied", "frozen"])
 def test_models_two_ranks(name):
     _assert_ranks_equal(run_world(_train_both, 2, name))

@@ -37,6 +37,25 @@ def test_buckets_never_mix_dtypes_and_big_params_stand_alone():
         assert bucket.buffer.numel() == sum(p.numel() for p in bucket.params)
 
 
+def test_large_parameters_go_last_and_make_their_own_pieces():
+    # Readiness order in the bucket is 4, 3, 2, 1, 0; the two of >= 1 MiB go last.
+    params = _params((10, torch.float32), (MiB // 4, torch.float32), (20, torch.float32),
+                     (MiB // 2, torch.float32), (30, torch.float32))
+    bucket, = buckets.build(params, list("abcde"), cap_bytes=8 * MiB, first_cap_bytes=8 * MiB,
+                            in_place_bytes=MiB)
+    assert bucket.indices == [4, 2, 0, 3, 1] and bucket.large == 2
+    grad = torch.ones(MiB // 4)
+    bucket.live[4] = grad
+    pieces = bucket.pieces()
+    assert [p.numel() for p in pieces] == [60, MiB // 2, MiB // 4]
+    assert pieces[0].data_ptr() == bucket.buffer.data_ptr()
+    assert pieces[1].data_ptr() == bucket.view(3).data_ptr()  # no live .grad: its slot
+    assert pieces[2].data_ptr() == grad.data_ptr()
+    plain, = buckets.build(params, list("abcde"), cap_bytes=8 * MiB, first_cap_bytes=8 * MiB)
+    assert plain.indices == [4, 3, 2, 1, 0] and plain.large == 0
+    assert [p.numel() for p in plain.pieces()] == [plain.buffer.numel()]
+
+
 def _grads_are_views(rank, world_size):
     ddp = minddp.DDP(DeepNet(), bucket_cap_mb=0.002, gradient_as_bucket_view=True)
     for step in range(2):
