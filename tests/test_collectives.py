@@ -101,6 +101,9 @@ def _check_pieces(rank, world_size, algorithm, noise):
         got = torch.cat(pieces)
         assert torch.equal(got, _expected(world_size, sum(sizes), dtype)), (
             f"{algorithm} on pieces {sizes} of {dtype}: rank {rank} got {got.tolist()}")
+    pieces = [part.clone() for part in _values(rank, sum(sizes), torch.float32).split(sizes)]
+    module.all_reduce(pieces, None, codec=_IdentityCodec())
+    assert torch.equal(torch.cat(pieces), _expected(world_size, sum(sizes), torch.float32))
     if world_size > 1:
         with pytest.raises(ValueError, match="mix dtypes"):
             module.all_reduce([torch.ones(3), torch.ones(3, dtype=torch.int64)], None)

@@ -107,7 +107,9 @@ def _huge_grads(rank, world_size, algorithm, kind):
     grads = {}
     for setting in (None, kind):
         torch.manual_seed(0)
-        ddp = minddp.DDP(Huge(), algorithm=algorithm, compression=setting, bucket_cap_mb=0.001)
+        # in_place_mb=0: every gradient goes on the wire from .grad itself.
+        ddp = minddp.DDP(Huge(), algorithm=algorithm, compression=setting, bucket_cap_mb=0.001,
+                         in_place_mb=0)
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank)) * 300
         (ddp(x) ** 2).sum().backward()
         grads[setting] = [p.grad.clone() for p in ddp.parameters()]
