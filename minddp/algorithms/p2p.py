@@ -249,7 +249,9 @@ class Link:
     # -- internals --------------------------------------------------------------
     def _slot_buffers(self, slot, view, codec):
         """Receive buffers for `view` in reused slot `slot` of the add window."""
-        shapes = self._wire_template(view) if codec is not None else [(view.shape, view.dtype)]
+        if codec is None:  # the common case, kept cheap: a 1-D view needs no reshaping
+            return [_scratch(view.numel(), view.dtype, view.device, ("window", slot, 0))]
+        shapes = self._wire_template(view)
         return [_scratch(math.prod(shape), dtype, view.device, ("window", slot, k)).view(shape)
                 for k, (shape, dtype) in enumerate(shapes)]
 
