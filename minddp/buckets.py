@@ -11,7 +11,7 @@ Large gradients can skip the buffer: our own all-reduce algorithms take a
 bucket as a list of pieces (p2p.run), so a gradient of at least
 `in_place_bytes` is reduced where it lies, in `.grad`, saving the copy back
 out of the buffer (on the MLP benchmark, 2 CPU ranks, the ring's step / torch
-DDP's went from 1.05-1.06 to 0.95-0.97). The buffer
+DDP's went from 0.99-1.06 to 0.93-0.97; README, Results). The buffer
 keeps a slot for each of them anyway: comm hooks, the backend's all-reduce
 and gradients that cannot be used in place (missing, strided) go through it.
 Within a bucket the small parameters come first, so they form one piece.
