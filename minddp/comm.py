@@ -61,26 +61,31 @@ class CommEngine:
             item = self._jobs.get()
             if item is _STOP:
                 return
-            job, args, fut, label = item
-            if self._error is not None:
-                fut.set_exception(RuntimeError(f"minddp: communication engine stopped after "
-                                               f"an earlier error: {self._error}"))
-                continue
-            start = now_us()
-            try:
-                with profiled(f"minddp.{label}"):
-                    result = job(*args)
-            except Exception as e:  # noqa: BLE001 - handed to the waiting thread
-                self._error = e
-                fut.set_exception(e)
-                continue
-            # Backend work returns torch._C.Future, the base of torch.futures.Future.
-            if isinstance(result, torch._C.Future):
-                result.add_done_callback(
-                    lambda done, fut=fut, job=(job, label, start): self._forward(done, fut, job))
-            else:
-                self._record(job, label, start)
-                fut.set_result(result)
+            self._run(*item)
+            # Drop the finished job's tensors now, not when the next one comes:
+            # the reducer reduces a .grad in place only if nothing else holds it.
+            del item
+
+    def _run(self, job, args, fut, label):
+        if self._error is not None:
+            fut.set_exception(RuntimeError(f"minddp: communication engine stopped after an "
+                                           f"earlier error: {self._error}"))
+            return
+        start = now_us()
+        try:
+            with profiled(f"minddp.{label}"):
+                result = job(*args)
+        except Exception as e:  # noqa: BLE001 - handed to the waiting thread
+            self._error = e
+            fut.set_exception(e)
+            return
+        # Backend work returns torch._C.Future, the base of torch.futures.Future.
+        if isinstance(result, torch._C.Future):
+            result.add_done_callback(
+                lambda done, fut=fut, job=(job, label, start): self._forward(done, fut, job))
+        else:
+            self._record(job, label, start)
+            fut.set_result(result)
 
     def _forward(self, done, fut, job):
         try:

@@ -17,9 +17,14 @@ One iteration, as the reducer sees it:
 In place: when the bucket's algorithm is one of ours (not the backend's, not
 a comm hook) and gradient_as_bucket_view is off, gradients of at least
 `in_place_bytes` are all-reduced in .grad itself, the bucket being a list of
-pieces (buckets.py). That skips two copies of most of the bytes; in exchange
+pieces (buckets.py). That skips the copy back out of the bucket; in exchange
 such a .grad holds partial sums while backward runs (as with
-gradient_as_bucket_view), and is the mean once backward returns.
+gradient_as_bucket_view), and is the mean once backward returns. Only a .grad
+that alone holds its memory qualifies: autograd may hand a parameter a view
+of a gradient that other parts of backward still read (a .view() of it, one
+sum feeding several parameters), and those are copied as before. So are the
+gradients of parameters unused at forward (find_unused_parameters), whose
+.grad must stay as it was if no rank used them.
 
 A parameter that never got its gradient leaves its bucket unlaunched; that is
 reported at the next forward, naming the parameters and the rank.
@@ -164,7 +169,7 @@ class Reducer:
             bucket.live.clear()
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         for index in self._unused_at_forward:
-            self._mark_ready(index)
+            self._mark_ready(index, unused=True)
 
     def _on_ready(self, index):
         if not self._started:
@@ -179,7 +184,7 @@ class Reducer:
         self._mark_ready(index)
         self._launch_ready()
 
-    def _mark_ready(self, index):
+    def _mark_ready(self, index, unused=False):
         bucket, i = self._where[index]
         param, view = bucket.params[i], bucket.view(i)
         grad = param.grad
@@ -193,8 +198,8 @@ class Reducer:
         elif self.as_view and grad.data_ptr() == view.data_ptr():
             if divide:
                 view.div_(self.divisor)  # already accumulated in place, in the bucket
-        elif i >= len(bucket.params) - bucket.large and self.in_place(bucket) and \
-                _fits(grad, view):
+        elif not unused and i >= len(bucket.params) - bucket.large and self.in_place(bucket) \
+                and _fits(grad, view):
             grad.mul_(1.0 / self.divisor)  # reduced right here: no copy into the bucket
             bucket.live[i] = grad
         else:
@@ -254,8 +259,11 @@ class Reducer:
                 f"reduced, so gradients are not synchronised. If some parameters legitimately "
                 f"take no part in the loss, pass find_unused_parameters=True; otherwise make sure "
                 f"every forward output contributes to the loss.")
+            # Buckets already launched may still be summing .grad in place: the
+            # error raised at the next forward says the step is broken. Later
+            # reductions (join, benchmarks) must not touch .grad again.
             for bucket in self.buckets:
-                bucket.live.clear()  # later reductions (join, benchmarks) leave .grad alone
+                bucket.live.clear()
             return
         globally_used = None
         if self.find_unused:
@@ -340,6 +348,8 @@ class Reducer:
         `.grad` is not touched. Every rank must call it; benchmarks use it to
         time communication alone (no backward to hide behind).
         """
+        for bucket in self.buckets:
+            bucket.live.clear()
         for future in [self._launch(bucket) for bucket in self.buckets]:
             future.wait()
 
@@ -352,4 +362,14 @@ class Reducer:
 def _fits(grad, view):
     """Whether `grad` can be reduced where it is, standing in for its bucket slot `view`."""
     return (grad.is_contiguous() and grad.dtype == view.dtype and grad.device == view.device
-            and grad.shape == view.shape and not grad.requires_grad)
+            and grad.shape == view.shape and not grad.requires_grad and _sole_owner(grad))
+
+
+def _sole_owner(grad):
+    """Whether no tensor but `grad` refers to its memory (else changing it in place
+    would change gradients that backward has yet to read)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return False  # cannot tell: copy, which is always safe
+    storage = grad.untyped_storage()
+    return count(storage._cdata) == 2  # grad's reference and `storage`'s

@@ -59,8 +59,22 @@ class DeepNet(nn.Module):
         return self.head(self.layers(x))
 
 
+class AliasNet(nn.Module):
+    """Gradients that share memory: autograd hands w, a and b views of one tensor
+    (the sum's gradient goes to every term, the views' backward only reshapes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.randn(4, 8)), nn.Parameter(torch.randn(4, 8))
+        self.w = nn.Parameter(torch.randn(32))
+
+    def forward(self, x):
+        return x * (self.w + self.a.view(-1) + self.b.view(-1))
+
+
 MODELS = {"batchnorm": BatchNormNet, "tied": TiedNet, "frozen": FrozenNet,
-          "branch": BranchNet, "deep": DeepNet}
+          "branch": BranchNet, "deep": DeepNet,
+          "alias": AliasNet}
 
 
 def batch(name, rank, step, size=6):
@@ -68,7 +82,7 @@ def batch(name, rank, step, size=6):
     g = torch.Generator().manual_seed(1000 * step + rank)
     if name == "tied":
         return (torch.randint(0, 20, (size, 5), generator=g),)
-    width = 32 if name == "deep" else 8
+    width = 32 if name in ("deep", "alias") else 8
     x = torch.randn(size, width, generator=g)
     if name == "branch":
         return (x, (rank + step) % 2 == 0)

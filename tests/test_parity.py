@@ -107,8 +107,10 @@ def test_each_algorithm(algorithm, world_size, kwargs):
     (2, "deep", {}, 1),
     (3, "deep", {"bucket_cap_mb": 0.002}, 1),
     (2, "branch", {"find_unused_parameters": True}, 1),
-    (2, "batchnorm", {}, 3)],
-    ids=["2-ranks", "3-ranks-tiny-buckets", "2-ranks-unused", "2-ranks-no-sync"])
+    (2, "batchnorm", {}, 3),
+    (2, "alias", {}, 1)],
+    ids=["2-ranks", "3-ranks-tiny-buckets", "2-ranks-unused", "2-ranks-no-sync",
+         "2-ranks-shared-gradient-memory"])
 def test_gradients_reduced_in_place(algorithm, world_size, name, kwargs, accumulate):
     ours = dict(kwargs, algorithm=algorithm, in_place_mb=0)
     _assert_ranks_equal(run_world(_train_both, world_size, name, 3, kwargs, ours, None,
