@@ -41,11 +41,16 @@ class Bucket:
         p = self.params[i]
         return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
 
+    @property
+    def first_large(self):
+        """Position of the first parameter that may be reduced in place."""
+        return len(self.params) - self.large
+
     def pieces(self):
         """The bucket as flat pieces for an in-place all-reduce: the small parameters'
         slots as one piece, then each large parameter's live .grad, or its slot.
         The sizes are the same every time and on every rank."""
-        first = len(self.params) - self.large
+        first = self.first_large
         end = self.offsets[first] if self.large else self.buffer.numel()
         pieces = [self.buffer[:end]] if first else []
         for i in range(first, len(self.params)):
@@ -55,8 +60,7 @@ class Bucket:
     @property
     def large_bytes(self):
         """Bytes of the parameters that may be reduced in place."""
-        return sum(p.numel() * p.element_size() for p in self.params[len(self.params) -
-                                                                      self.large:])
+        return sum(p.numel() * p.element_size() for p in self.params[self.first_large:])
 
     @property
     def nbytes(self):

@@ -164,9 +164,9 @@ class Reducer:
         self._next = 0
         self._futures = [None] * len(self.buckets)
         self._used_future = None
+        self._forget_in_place()
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
-            bucket.live.clear()
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         for index in self._unused_at_forward:
             self._mark_ready(index, unused=True)
@@ -198,8 +198,8 @@ class Reducer:
         elif self.as_view and grad.data_ptr() == view.data_ptr():
             if divide:
                 view.div_(self.divisor)  # already accumulated in place, in the bucket
-        elif not unused and i >= len(bucket.params) - bucket.large and self.in_place(bucket) \
-                and _fits(grad, view):
+        elif not unused and i >= bucket.first_large and self.in_place(bucket) and \
+                _fits(grad, view):
             grad.mul_(1.0 / self.divisor)  # reduced right here: no copy into the bucket
             bucket.live[i] = grad
         else:
@@ -260,10 +260,8 @@ class Reducer:
                 f"take no part in the loss, pass find_unused_parameters=True; otherwise make sure "
                 f"every forward output contributes to the loss.")
             # Buckets already launched may still be summing .grad in place: the
-            # error raised at the next forward says the step is broken. Later
-            # reductions (join, benchmarks) must not touch .grad again.
-            for bucket in self.buckets:
-                bucket.live.clear()
+            # error raised at the next forward says the step is broken.
+            self._forget_in_place()
             return
         globally_used = None
         if self.find_unused:
@@ -284,8 +282,15 @@ class Reducer:
                 if globally_used is not None and not globally_used[index]:
                     continue  # no rank used it: leave .grad as it was, as torch does
                 self._write_grad(bucket.params[i], bucket.view(i))
-            bucket.live.clear()
+        self._forget_in_place()
         self.iterations += 1
+
+    def _forget_in_place(self):
+        """Drop this iteration's in-place gradients. Outside a backward no bucket
+        holds any: later reductions (join, benchmarks) must not touch .grad, and
+        a .grad we still referred to would not count as alone in its memory."""
+        for bucket in self.buckets:
+            bucket.live.clear()
 
     def _write_grad(self, param, view):
         if self.as_view:
@@ -332,9 +337,9 @@ class Reducer:
         """Take part in the other ranks' backward with zero gradients (a rank that
         has run out of inputs, see join.py): every bucket, in order, then the
         used-parameter map. Leaves .grad alone."""
+        self._forget_in_place()
         for bucket in self.buckets:
             bucket.buffer.zero_()
-            bucket.live.clear()
         futures = [self._launch(bucket) for bucket in self.buckets]
         if self.find_unused:
             self.used.zero_()
@@ -348,8 +353,7 @@ class Reducer:
         `.grad` is not touched. Every rank must call it; benchmarks use it to
         time communication alone (no backward to hide behind).
         """
-        for bucket in self.buckets:
-            bucket.live.clear()
+        self._forget_in_place()
         for future in [self._launch(bucket) for bucket in self.buckets]:
             future.wait()
 

@@ -91,8 +91,8 @@ def run(algorithm, body, tensor, group, codec=None, segment_bytes=None):
 
 def _check_dense(tensor, algorithm, group):
     if tensor.layout != torch.strided:
-        raise TypeError(f"minddp {algorithm} all-reduce (rank {group.rank()}): the tensor has layout "
-                        f"{tensor.layout}; only dense tensors can be reduced, call "
+        raise TypeError(f"minddp {algorithm} all-reduce (rank {group.rank()}): the tensor has "
+                        f"layout {tensor.layout}; only dense tensors can be reduced, call "
                         f".to_dense() first.")
 
 
@@ -100,8 +100,9 @@ def _piece(tensor, algorithm, group):
     """One piece of a tensor list as a 1-D view; pieces must be contiguous."""
     _check_dense(tensor, algorithm, group)
     if not tensor.is_contiguous():
-        raise ValueError(f"minddp {algorithm} all-reduce (rank {group.rank()}): a piece of a tensor "
-                         f"list is not contiguous; pass contiguous tensors (.contiguous()).")
+        raise ValueError(f"minddp {algorithm} all-reduce (rank {group.rank()}): a piece of a "
+                         f"tensor list is not contiguous; pass contiguous tensors "
+                         f"(.contiguous()).")
     return tensor.view(-1)
 
 
