@@ -47,14 +47,16 @@ class Bucket:
         return len(self.params) - self.large
 
     def pieces(self):
-        """The bucket as flat pieces for an in-place all-reduce: the small parameters'
-        slots as one piece, then each large parameter's live .grad, or its slot.
+        """The bucket as pieces for an in-place all-reduce: the small parameters'
+        slots as one flat piece, then each large parameter's live .grad, or its slot.
         The sizes are the same every time and on every rank."""
         first = self.first_large
         end = self.offsets[first] if self.large else self.buffer.numel()
         pieces = [self.buffer[:end]] if first else []
         for i in range(first, len(self.params)):
-            pieces.append(self.live[i].view(-1) if i in self.live else self.view(i).view(-1))
+            # The .grad itself, never a view of it: a view would count as a second
+            # owner of its memory (reducer._sole_owner) while the comm thread holds it.
+            pieces.append(self.live[i] if i in self.live else self.view(i))
         return pieces
 
     @property

@@ -62,8 +62,9 @@ class CommEngine:
             if item is _STOP:
                 return
             self._run(*item)
-            # Drop the finished job's tensors now, not when the next one comes:
-            # the reducer reduces a .grad in place only if nothing else holds it.
+            # Drop the finished job's tensors now, not when the next one comes.
+            # The training thread may already be in the next backward by then:
+            # nothing held here may be a view of a .grad (buckets.Bucket.pieces).
             del item
 
     def _run(self, job, args, fut, label):
