@@ -114,14 +114,18 @@ def _check_pieces(rank, world_size, algorithm, noise):
 
 
 def _record_sends(rank, world_size):
-    """Per algorithm: the (op, peer) of every message this rank posts."""
-    original, log = p2p.Link._post, []
+    """Per algorithm: the (op, peer) of every message this rank posts to the process group."""
+    group_type = type(dist.group.WORLD)
+    originals, log = {op: getattr(group_type, op) for op in ("send", "recv")}, []
 
-    def recording(link, op, peer, tensors, tag):
-        log.extend((op, peer) for _ in tensors)  # one message per tensor
-        return original(link, op, peer, tensors, tag)
+    def recording(op):
+        def post(group, tensors, peer, tag):
+            log.extend((op, peer) for _ in tensors)  # one message per tensor
+            return originals[op](group, tensors, peer, tag)
+        return post
 
-    p2p.Link._post = recording
+    for op in originals:
+        setattr(group_type, op, recording(op))
     try:
         pattern = {}
         for algorithm in OURS:
@@ -130,7 +134,8 @@ def _record_sends(rank, world_size):
             pattern[algorithm] = list(log)
         return pattern
     finally:
-        p2p.Link._post = original
+        for op, original in originals.items():
+            setattr(group_type, op, original)
 
 
 def _grid(rank, world_size):

@@ -83,7 +83,8 @@ def run(algorithm, body, tensor, group, codec=None, segment_bytes=None):
     if size == 1 or tensor.numel() == 0:
         return tensor
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
-    _reduce(algorithm, body, [work.view(-1)], group, codec, segment_bytes, rank, size, backend)
+    flat = work if work.dim() == 1 else work.view(-1)  # a view costs ~1 us: skip when 1-D
+    _reduce(algorithm, body, [flat], group, codec, segment_bytes, rank, size, backend)
     if work is not tensor:
         tensor.copy_(work)
     return tensor
@@ -107,11 +108,8 @@ def _piece(tensor, algorithm, group):
 
 
 def _reduce(algorithm, body, pieces, group, codec, segment_bytes, rank, size, backend):
-    dtypes, devices = {p.dtype for p in pieces}, {p.device for p in pieces}
-    if len(dtypes) > 1 or len(devices) > 1:
-        raise ValueError(f"minddp {algorithm} all-reduce (rank {rank}): the pieces of a "
-                         f"tensor list mix dtypes {sorted(map(str, dtypes))} or devices "
-                         f"{sorted(map(str, devices))}; reduce each kind separately.")
+    if len(pieces) > 1:
+        _check_alike(algorithm, pieces, rank)
     staged = pieces if pieces[0].is_cuda and backend == "gloo" else None
     if staged:
         # gloo sends CPU tensors only: reduce a pinned CPU copy, then copy back.
@@ -123,6 +121,14 @@ def _reduce(algorithm, body, pieces, group, codec, segment_bytes, rank, size, ba
     if staged:
         for start, piece in _placed(staged):
             piece.copy_(pieces[0][start:start + piece.numel()])
+
+
+def _check_alike(algorithm, pieces, rank):
+    dtypes, devices = {p.dtype for p in pieces}, {p.device for p in pieces}
+    if len(dtypes) > 1 or len(devices) > 1:
+        raise ValueError(f"minddp {algorithm} all-reduce (rank {rank}): the pieces of a "
+                         f"tensor list mix dtypes {sorted(map(str, dtypes))} or devices "
+                         f"{sorted(map(str, devices))}; reduce each kind separately.")
 
 
 def _placed(pieces):
@@ -141,7 +147,7 @@ class Link:
         self.pieces = pieces  # 1-D, contiguous, one dtype; concatenated they are the tensor
         self.flat = pieces[0] if len(pieces) == 1 else None
         self.rank, self.size = rank, size
-        self.numel = sum(p.numel() for p in pieces)
+        self.numel = self.flat.numel() if self.flat is not None else sum(p.numel() for p in pieces)
         self.itemsize = pieces[0].element_size()
         # Segments are sized by what travels: compressed, twice the elements.
         wire_size = codec.wire_itemsize(pieces[0].dtype) if codec is not None else self.itemsize
@@ -247,11 +253,15 @@ class Link:
         wire = payload if isinstance(payload, list) else self.wire(payload, plain=plain)
         return self._post("send", peer, wire, tag)
 
+    def scratch(self, view, slot):
+        """The reused receive buffer of window slot `slot`, as many elements as `view`."""
+        return _scratch(view.numel(), view.dtype, view.device, ("window", slot, 0))
+
     # -- internals --------------------------------------------------------------
     def _slot_buffers(self, slot, view, codec):
         """Receive buffers for `view` in reused slot `slot` of the add window."""
         if codec is None:  # the common case, kept cheap: a 1-D view needs no reshaping
-            return [_scratch(view.numel(), view.dtype, view.device, ("window", slot, 0))]
+            return [self.scratch(view, slot)]
         shapes = self._wire_template(view)
         return [_scratch(math.prod(shape), dtype, view.device, ("window", slot, k)).view(shape)
                 for k, (shape, dtype) in enumerate(shapes)]
@@ -270,7 +280,7 @@ class Link:
             post = self.group.send if op == "send" else self.group.recv
             return what, peer, [post([t], peer, tag) for t in tensors]
         except Exception as e:
-            raise self._error(what, peer, e) from e
+            raise self.error(what, peer, e) from e
 
     def _wait(self, posted):
         # Work.wait() with no argument is bounded by the process group's
@@ -280,9 +290,9 @@ class Link:
             for work in works:
                 work.wait()
         except Exception as e:
-            raise self._error(what, peer, e) from e
+            raise self.error(what, peer, e) from e
 
-    def _error(self, what, peer, cause):
+    def error(self, what, peer, cause):
         first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else repr(cause)
         return RuntimeError(
             f"minddp {self.algorithm} all-reduce (rank {self.rank} of {self.size}): failed to "
