@@ -324,6 +324,30 @@ def test_auto_times_the_candidates_and_drops_a_slow_one():
         assert timed_pick != "tree" and again == timed_pick
 
 
+def _measure_through_spells(rank, world_size, spells):
+    # Fake timings: the first `spells` attempts see small messages as slow as
+    # large ones (a busy spell), later ones see a sane link.
+    calls = []
+
+    def interleaved(fns, repeats, group=None):
+        calls.append(len(fns))
+        busy = (len(calls) - 1) // 3 < spells  # three timing rounds per attempt
+        if len(fns) == 3:  # small ring, small tree, small native
+            return [3e-3, 3e-3, 3e-3] if busy else [3e-4, 2e-4, 3e-4]
+        if len(fns) == 1:  # the add
+            return [4e-4]
+        return [3e-3, 3e-3] if busy else [4e-3, 3e-3]  # large ring, large native
+    cost_model._interleaved = interleaved
+    costs = cost_model.measure(dist.group.WORLD)
+    return len(calls) // 3, costs.beta > 0 and costs.native_beta > 0
+
+
+def test_cost_model_measures_again_after_impossible_figures():
+    assert run_world(_measure_through_spells, 2, 1) == [(2, True)] * 2
+    # Never more than ATTEMPTS rounds, even if every one is busy.
+    assert run_world(_measure_through_spells, 2, 99) == [(cost_model.ATTEMPTS, False)] * 2
+
+
 def _rng_untouched(rank, world_size):
     model = torch.nn.Linear(4, 4)  # (building it draws from the RNG, so before seeding)
     torch.manual_seed(123)

@@ -11,6 +11,7 @@ a collective: every rank of the group calls it, and all get the same Costs
 (each value is the maximum over ranks, which is exact), so every rank
 predicts, and picks, the same algorithm for the same bucket.
 """
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from minddp.algorithms import ring, tree
+
+log = logging.getLogger("minddp.algorithms")
 
 # Message sizes (bytes) of the measurements; SMALL gives each of up to 16
 # ranks a non-empty chunk, so a small ring takes all its 2(p-1) steps.
@@ -66,8 +69,30 @@ def fit(sizes, seconds):
     return max(mean_y - beta * mean_x, 0.0), beta
 
 
+# Measurements taken again when they are impossible (see measure).
+ATTEMPTS = 3
+
+
 def measure(group, repeats=(15, 7)):
     """Measure Costs on `group`; a collective (every rank calls it), 0.1-0.5 s.
+
+    A large message can never take less time per byte than nothing: when beta
+    or the backend's per-byte cost comes out as zero, the small messages were
+    timed in a busy spell (seen at start-up on a loaded 2-core machine: 3 ms
+    where 0.3 ms is usual), and the whole measurement runs again, up to ATTEMPTS
+    times. Every rank tests the agreed values, so all retry together.
+    """
+    for attempt in range(1, ATTEMPTS + 1):
+        costs = _measure_once(group, repeats)
+        if costs.beta > 0 and costs.native_beta > 0:
+            break
+        log.debug("minddp cost model: attempt %d gave %s, which cannot be right%s", attempt,
+                  costs, "; measuring again" if attempt < ATTEMPTS else "; keeping it")
+    return costs
+
+
+def _measure_once(group, repeats):
+    """One measurement of every cost, agreed across the group.
 
     Each latency is calibrated on the algorithm whose step count it sets, run
     through send/recv as it really runs (Python overhead, scheduling of the
@@ -101,10 +126,14 @@ def measure(group, repeats=(15, 7)):
 
 
 def _interleaved(fns, repeats, group=None):
-    """Median seconds of each fn, run in turns after one untimed warm-up round.
+    """Lower-quartile seconds of each fn, run in turns after one untimed warm-up round.
 
-    With a group, every call starts after a barrier: otherwise a rank that
-    left the previous call early would time its wait for the others.
+    The lower quartile, not the median: busy spells only ever slow calls down,
+    and on a loaded machine they come and go every few tens of milliseconds
+    (a 64 B all-reduce: 0.4 ms, then 3 ms for a run of calls), long enough to
+    cover half of a measurement. With a group, every call starts after a
+    barrier: otherwise a rank that left the previous call early would time its
+    wait for the others.
     """
     times = [[] for _ in fns]
     for rep in range(repeats + 1):
@@ -115,4 +144,4 @@ def _interleaved(fns, repeats, group=None):
             fn()
             if rep:
                 mine.append(time.perf_counter() - start)
-    return [sorted(t)[len(t) // 2] for t in times]
+    return [sorted(t)[len(t) // 4] for t in times]
