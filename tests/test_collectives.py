@@ -212,22 +212,27 @@ def test_every_size_dtype_and_pattern(world_size):
         _check_pattern(world_size, [res["pattern"] for res in results])
 
 
-def _with_dead_peer(rank, world_size):
+def _with_dead_peer(rank, world_size, algorithm, numel):
     dist.barrier()  # every rank is past the harness's set-up before one dies
     if rank == 2:
         os._exit(1)  # a peer that dies before the collective
     try:
-        minddp.all_reduce(torch.ones(1 << 16), "ring")
+        minddp.all_reduce(torch.ones(numel), algorithm)
     except RuntimeError as e:
         time.sleep(1)  # let the other survivor fail on rank 2, not on our exit
         return str(e)
     return "no error"
 
 
-def test_dead_peer_raises_naming_algorithm_and_peer():
-    messages = run_world(_with_dead_peer, 3, timeout=60, pg_timeout=20, expect_dead=(2,))
+# The tree's single element takes its one-segment path, which posts to the
+# process group itself; rank 2 is a child of rank 0 there, as it is rank 0's
+# left neighbour in the ring.
+@pytest.mark.parametrize("algorithm, numel", [("ring", 1 << 16), ("tree", 1)])
+def test_dead_peer_raises_naming_algorithm_and_peer(algorithm, numel):
+    messages = run_world(_with_dead_peer, 3, algorithm, numel, timeout=60, pg_timeout=20,
+                         expect_dead=(2,))
     for rank, message in enumerate(messages[:2]):
-        assert f"ring all-reduce (rank {rank} of 3)" in message, message
+        assert f"{algorithm} all-reduce (rank {rank} of 3)" in message, message
         assert "rank" in message and "timeout" in message, message
     assert "receive from rank 2" in messages[0], messages[0]
 
