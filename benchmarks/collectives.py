@@ -9,6 +9,8 @@ repetition's time is the slowest rank's. Reported: median time, algbw =
 bytes / time and busbw = algbw * 2(p-1)/p (nccl-tests' definitions), and the
 median over repetitions of time / native time (fair on a noisy machine), and
 likewise time / the time of the fastest algorithm (by median) at that size.
+`--algorithms ... native_again` adds the backend's all-reduce a second time:
+its /native ratio is the machine's noise floor for these ratios.
 `--model` adds the alpha-beta cost model's prediction (costs measured at
 start-up, as `algorithm="auto"` does) and its relative error. Writes
 results/collectives_p{N}.json and .png; progress goes to stderr.
@@ -34,12 +36,17 @@ from minddp.algorithms import auto, cost_model  # noqa: E402
 SIZES = [4, 64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20,
          16 << 20, 25 << 20, 64 << 20]
 ALGORITHMS = ["native", "ring", "tree", "halving_doubling", "auto"]
+# Not run by default: the backend's all-reduce once more, as if another
+# algorithm. Its /native ratio is how far two identical operations drift apart
+# on this machine at that size: the noise floor the other ratios sit on.
+NOISE_FLOOR = "native_again"
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="message bytes")
-    parser.add_argument("--algorithms", nargs="+", default=ALGORITHMS, choices=ALGORITHMS)
+    parser.add_argument("--algorithms", nargs="+", default=ALGORITHMS,
+                        choices=ALGORITHMS + [NOISE_FLOOR])
     parser.add_argument("--budget", type=float, default=1.0,
                         help="scales the repetitions (1.0: about a minute on 2 idle ranks)")
     parser.add_argument("--model", action="store_true",
@@ -58,7 +65,7 @@ def make_runners(names, group, chooser):
     """name -> fn(tensor): a blocking in-place all-reduce."""
     runners = {}
     for name in names:
-        if name == "native":
+        if name in ("native", NOISE_FLOOR):
             runners[name] = lambda t: dist.all_reduce(t, group=group)
         elif name == "auto":
             runners[name] = lambda t: algorithms.ALGORITHMS[chooser.pick(t)].all_reduce(t, group)
@@ -107,7 +114,7 @@ def run(args, rank, world, device):
                    "ratio_to_native": (pairwise_ratio(times[name], times["native"])
                                        if "native" in times else None),
                    "picked": chooser.pick(torch.empty(nbytes // 4)) if name == "auto" else None}
-            model_name = row["picked"] or name
+            model_name = row["picked"] or ("native" if name == NOISE_FLOOR else name)
             row["model_us"] = cost_model.predict(model_name, nbytes, world, costs) * 1e6
             row["model_error"] = (row["model_us"] - row["time_us"]) / row["time_us"]
             rows.append(row)

@@ -48,7 +48,8 @@ def _collectives(rank, world_size, out):
     import torch
     import collectives
     args = collectives.parse_args(["--sizes", "4", "4096", "--budget", "0.05", "--model",
-                                   "--out", out])
+                                   "--algorithms", *collectives.ALGORITHMS,
+                                   collectives.NOISE_FLOOR, "--out", out])
     rows, costs = collectives.run(args, rank, world_size, torch.device("cpu"))
     if rank == 0:
         collectives.report(rows, costs, args, world_size)
@@ -62,7 +63,8 @@ def test_collectives_writes_a_row_per_algorithm_and_size(tmp_path):
         written = json.load(f)["rows"]
     assert (tmp_path / "collectives_p2.png").stat().st_size > 0
     assert [(r["bytes"], r["algorithm"]) for r in written] == [
-        (size, name) for size in (4, 4096) for name in collectives.ALGORITHMS]
+        (size, name) for size in (4, 4096)
+        for name in collectives.ALGORITHMS + [collectives.NOISE_FLOOR]]
     for size in (4, 4096):
         mine = [r for r in rows if r["bytes"] == size]
         for row in mine:
