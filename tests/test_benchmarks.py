@@ -90,3 +90,8 @@ def test_relative_to_best_pairs_each_repetition_with_the_fastest():
     assert ratios["b"] == 1.0
     assert abs(ratios["a"] - 1.1) < 1e-9
     assert abs(ratios["c"] - 9.0) < 1e-9  # median of 9, 9, 9, 1.8, 1.8
+    # The noise-floor row (native timed again) is never the reference, even
+    # when it is the lucky one.
+    lucky = collectives.relative_to_best({"native": [2.0] * 3, "ring": [3.0] * 3,
+                                          collectives.NOISE_FLOOR: [1.0] * 3})
+    assert lucky["native"] == 1.0 and lucky[collectives.NOISE_FLOOR] == 0.5

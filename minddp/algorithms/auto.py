@@ -1,22 +1,23 @@
 """algorithm="auto": per bucket size, the fastest algorithm, predicted and then timed.
 
 A Chooser measures the links once (cost_model.measure, a collective on the
-group, 0.1-0.5 s; later groups over the same ranks and backend reuse it), so
-the alpha-beta model predicts every candidate's time for any size. The model
-ranks well where the algorithms differ by their step counts, but on a busy
-or oversubscribed machine its line can be 30% off where they are close, and
-10% is the difference that matters. So the first time a bucket size comes up
-(the wrapper announces its buckets at start-up) the candidates are also timed
-on that size: interleaved rounds after barriers (5 to 50, about 0.4 s by the
-model's account), the slowest rank's time per round agreed across ranks. The
-winner is the candidate whose time is the lowest multiple of each round's
-best, in the median over rounds. That costs a few all-reduces of each
-candidate once per size (about 1 s for a 25 MiB bucket on 2 CPU ranks;
-candidates predicted over 3x slower are skipped) and makes every rank pick
-the same algorithm. In the wrapper, native is timed with one more copy: that
-of the bucket's gradients our algorithms reduce in place (reducer.py), which
-native's result has to be copied back into. Each choice is logged once at debug level (logger
-"minddp.algorithms") with the predicted and measured times.
+group, 0.1-0.5 s, more if it has to measure again; later groups over the same
+ranks and backend reuse it), so the alpha-beta model predicts every
+candidate's time for any size. The model ranks well where the algorithms
+differ by their step counts, but on a busy or oversubscribed machine its line
+can be 30% off where they are close, and 10% is the difference that matters.
+So the first time a bucket size comes up (the wrapper announces its buckets at
+start-up) the candidates are also timed on that size: interleaved rounds after
+barriers (5 to 50, about 0.4 s by the model's account), the slowest rank's
+time per round agreed across ranks. The winner is the candidate whose time is
+the lowest multiple of each round's best, in the median over rounds. That
+costs a few all-reduces of each candidate once per size (about 1 s for a 25
+MiB bucket on 2 CPU ranks; candidates predicted over 3x slower are skipped)
+and makes every rank pick the same algorithm. In the wrapper, native is timed
+with one more copy: that of the bucket's gradients our algorithms reduce in
+place (reducer.py), which native's result has to be copied back into. Each
+choice is logged once at debug level (logger "minddp.algorithms") with the
+predicted and measured times.
 """
 import logging
 import time

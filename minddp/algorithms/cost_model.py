@@ -74,7 +74,7 @@ ATTEMPTS = 3
 
 
 def measure(group, repeats=(15, 7)):
-    """Measure Costs on `group`; a collective (every rank calls it), 0.1-0.5 s.
+    """Measure Costs on `group`; a collective (every rank calls it), 0.1-0.5 s an attempt.
 
     A large message can never take less time per byte than nothing: when beta
     or the backend's per-byte cost comes out as zero, the small messages were

@@ -12,8 +12,8 @@ Cost for n bytes on p ranks, tree depth d = floor(log2 p), k segments of n/k,
 fan-out f = min(2, p - 1) (a parent's link carries f segments per step); the
 way down overlaps the way up (other direction of each link):
     T = (2d + k - 1) (alpha + f n/k beta) + (d + k - 1) f n/k gamma
-With k = 1 that is 2d steps: the fewest of the algorithms for small messages,
-posted straight to the process group (`_one_segment`).
+With k = 1 that is 2d steps: the fewest of the algorithms for small messages
+(without a codec, posted straight to the process group: `_one_segment`).
 For large ones each rank moves about f n bytes each way, up to f times the ring's.
 
 Every rank ends bitwise identical: only rank 0 holds the final sum, and the
@@ -69,27 +69,38 @@ def _tree(link):
 def _one_segment(link, parent, children):
     """The whole tensor as one message, no codec: the common small bucket.
 
-    The same messages as the pipeline, posted straight to the process group.
-    At a few bytes a call is all per-message overhead, and every line of
-    Python before or between messages lies on the critical path: at 4 B on 2
-    ranks the exchange's bookkeeping took the tree to 1.2x gloo's all-reduce,
-    this path to about 1.0x (benchmarks/collectives.py --sizes 4).
+    The messages of the pipeline with k = 1, posted straight to the process
+    group (a leaf posts its receive once its send is done, not before). At a
+    few bytes a call is all per-message overhead, and every line of Python
+    before or between messages lies on the critical path: at 4 B on 2 ranks
+    the exchange's bookkeeping took the tree to 1.2x gloo's all-reduce, this
+    path to about 1.0x (benchmarks/collectives.py --sizes 4).
     """
-    flat, group, what, peer = link.flat, link.group, "receive from", None
+    flat, group = link.flat, link.group
+    bufs = [link.scratch(flat, k) for k in range(len(children))]
+    # Only the messages sit inside the try blocks, so only their failures are
+    # reported as a peer's; `peer` is set before each is posted or awaited.
+    what, peer = "receive from", None
     try:
-        if children:
-            bufs = [link.scratch(flat, k) for k in range(len(children))]
-            works = [group.recv([buf], c, TAG) for c, buf in zip(children, bufs)]
-            for peer, work, buf in zip(children, works, bufs):
-                work.wait()  # bounded by the group's timeout, as in exchange
-                flat.add_(buf)
+        works = []
+        for peer, buf in zip(children, bufs):
+            works.append(group.recv([buf], peer, TAG))
+        for peer, work in zip(children, works):
+            work.wait()  # bounded by the group's timeout, as in exchange
+    except Exception as e:
+        raise link.error(what, peer, e) from e
+    for buf in bufs:  # in child order, as the pipeline adds them
+        flat.add_(buf)
+    try:
         if parent is not None:
             what, peer = "send to", parent
             group.send([flat], parent, TAG).wait()
             what = "receive from"
             group.recv([flat], parent, TAG).wait()
-        what = "send to"
-        for peer, work in [(c, group.send([flat], c, TAG)) for c in children]:
+        what, works = "send to", []
+        for peer in children:
+            works.append(group.send([flat], peer, TAG))
+        for peer, work in zip(children, works):
             work.wait()
     except Exception as e:
-        raise link.error(what, peer if peer is not None else children[0], e) from e
+        raise link.error(what, peer, e) from e
