@@ -75,7 +75,6 @@ class Chooser:
         picked = self._picked.get(nbytes)
         if picked is not None:
             return picked
-        numel, dtype, device = _size_of(tensor)
         if self.costs is None:  # a world of one
             self._picked[nbytes] = self.names[0]
             return self.names[0]
@@ -86,7 +85,8 @@ class Chooser:
             # tens of percent, not 3x, and each round would cost the most.
             best = min(predicted.values())
             timed = [n for n in self.names if predicted[n] <= max(3 * best, 5e-3)]
-            times = self._time(numel, dtype, device, timed,
+            dtype, device = _kind_of(tensor)
+            times = self._time(nbytes // dtype.itemsize, dtype, device, timed,
                                sum(predicted[n] for n in timed), copied // dtype.itemsize)
             measured = {n: times[i].median().item() for i, n in enumerate(timed)}
             self._picked[nbytes] = _fastest(_relative(times, timed))
@@ -132,12 +132,10 @@ class Chooser:
         return CANDIDATES[name].all_reduce(tensor, self.group, codec=self.codec)
 
 
-def _size_of(tensor):
-    """(numel, dtype, device) of a tensor, or of a list of pieces taken together."""
-    if isinstance(tensor, (list, tuple)):
-        first = tensor[0] if tensor else torch.empty(0)
-        return sum(t.numel() for t in tensor), first.dtype, first.device
-    return tensor.numel(), tensor.dtype, tensor.device
+def _kind_of(tensor):
+    """(dtype, device) of a tensor, or of a list of pieces (they share both)."""
+    first = tensor if isinstance(tensor, torch.Tensor) else tensor[0]
+    return first.dtype, first.device
 
 
 # The backend's all-reduce wins a near tie: it runs on the backend's own

@@ -83,8 +83,7 @@ def run(algorithm, body, tensor, group, codec=None, segment_bytes=None):
     if size == 1 or tensor.numel() == 0:
         return tensor
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
-    flat = work if work.dim() == 1 else work.view(-1)  # a view costs ~1 us: skip when 1-D
-    _reduce(algorithm, body, [flat], group, codec, segment_bytes, rank, size, backend)
+    _reduce(algorithm, body, [_flat(work)], group, codec, segment_bytes, rank, size, backend)
     if work is not tensor:
         tensor.copy_(work)
     return tensor
@@ -104,7 +103,12 @@ def _piece(tensor, algorithm, group):
         raise ValueError(f"minddp {algorithm} all-reduce (rank {group.rank()}): a piece of a "
                          f"tensor list is not contiguous; pass contiguous tensors "
                          f"(.contiguous()).")
-    return tensor.view(-1)
+    return _flat(tensor)
+
+
+def _flat(tensor):
+    """A contiguous tensor as 1-D: itself if it already is (a view costs ~1 us)."""
+    return tensor if tensor.dim() == 1 else tensor.view(-1)
 
 
 def _reduce(algorithm, body, pieces, group, codec, segment_bytes, rank, size, backend):
