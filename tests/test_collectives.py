@@ -218,7 +218,7 @@ def test_every_size_dtype_and_pattern(world_size):
 
 def _with_dead_peer(rank, world_size, algorithm, numel):
     dist.barrier()  # every rank is past the harness's set-up before one dies
-    if rank == 2:
+    if rank == 2 or world_size == 2 and rank == 1:
         os._exit(1)  # a peer that dies before the collective
     try:
         minddp.all_reduce(torch.ones(numel), algorithm)
@@ -239,6 +239,14 @@ def test_dead_peer_raises_naming_algorithm_and_peer(algorithm, numel):
         assert f"{algorithm} all-reduce (rank {rank} of 3)" in message, message
         assert "rank" in message and "timeout" in message, message
     assert "receive from rank 2" in messages[0], messages[0]
+
+
+def test_dead_peer_in_the_two_rank_exchange():
+    # Two ranks and a small tensor: the tree's exchange, its own posts and waits.
+    message = run_world(_with_dead_peer, 2, "tree", 1, timeout=60, pg_timeout=20,
+                        expect_dead=(1,))[0]
+    assert "tree all-reduce (rank 0 of 2)" in message, message
+    assert "to rank 1" in message or "from rank 1" in message, message
 
 
 def test_refuses_sparse_and_unknown_names():

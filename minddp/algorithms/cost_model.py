@@ -49,6 +49,8 @@ def predict(algorithm, nbytes, p, c):
     if algorithm == "tree":
         depth, fan = int(math.log2(p)), min(2, p - 1)
         k = math.ceil(nbytes / tree.SEGMENT_BYTES)
+        if p == 2 and nbytes <= tree.EXCHANGE_BYTES:  # the exchange (assumes no codec)
+            return tree.hops(p) * (c.hop + nbytes * c.beta) + nbytes * c.gamma
         segment = fan * nbytes / k
         return ((2 * depth + k - 1) * (c.hop + segment * c.beta) +
                 (depth + k - 1) * segment * c.gamma)
@@ -97,7 +99,7 @@ def _measure_once(group, repeats):
     Each latency is calibrated on the algorithm whose step count it sets, run
     through send/recv as it really runs (Python overhead, scheduling of the
     ranks on their cores included): alpha = a small ring all-reduce / its
-    2(p-1) steps, hop = a small tree all-reduce / its 2 log2 p hops, beta =
+    2(p-1) steps, hop = a small tree all-reduce / its `tree.hops(p)`, beta =
     a ring all-reduce of LARGE bytes less its alpha and gamma terms, per byte
     sent. The backend's all-reduce is timed at both sizes, interleaved with
     ours, so a busy moment slows both alike.
@@ -108,7 +110,7 @@ def _measure_once(group, repeats):
         [lambda: ring.all_reduce(small, group), lambda: tree.all_reduce(small, group),
          lambda: dist.all_reduce(small, group=group)], repeats[0], group)
     alpha = ring_small / (2 * (p - 1))
-    hop = tree_small / (2 * max(1, int(math.log2(p))))
+    hop = tree_small / max(1, tree.hops(p))
     # A private generator: measuring must not move the user's RNG (dropout masks).
     g = torch.Generator().manual_seed(0)
     a, b = torch.rand(LARGE // 4, generator=g), torch.rand(LARGE // 4, generator=g)

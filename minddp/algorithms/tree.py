@@ -15,10 +15,19 @@ way down overlaps the way up (other direction of each link):
 With k = 1 that is 2d steps: the fewest of the algorithms for small messages
 (without a codec, posted straight to the process group: `_one_segment`).
 For large ones each rank moves about f n bytes each way, up to f times the ring's.
+Two ranks, no codec, up to EXCHANGE_BYTES: the tree is a single edge, and going
+up then down is two hops in turn. Instead both ranks act as the root (`_exchange`):
+each sends its tensor to the other at once and adds, in one hop:
+    T = alpha + n beta + n gamma                          (`hops(p)` is 1)
 
 Every rank ends bitwise identical: only rank 0 holds the final sum, and the
-broadcast copies it (with a codec, rank 0's encoding, decoded by all).
+broadcast copies it (with a codec, rank 0's encoding, decoded by all). In the
+two-rank exchange both ranks add, in the same order: rank 0's tensor + rank 1's.
 """
+import math
+
+import torch
+
 from minddp.algorithms import p2p
 
 # One p2p tag: up and down messages travel in opposite directions, so between
@@ -28,6 +37,10 @@ TAG = 20
 # Smaller than the ring's segments: the pipeline takes d extra steps to fill,
 # each the time of one segment.
 SEGMENT_BYTES = 256 << 10
+# Two ranks exchange messages up to this size (both send and add everything);
+# above it, the up-and-down path, which sends each byte once each way, is
+# faster (256 KiB on 2 CPU ranks: 0.66 of gloo's time exchanging, 0.59 not).
+EXCHANGE_BYTES = 64 << 10
 
 
 def all_reduce(tensor, group=None, codec=None):
@@ -35,11 +48,18 @@ def all_reduce(tensor, group=None, codec=None):
     return p2p.run("tree", _tree, tensor, group, codec, segment_bytes=SEGMENT_BYTES)
 
 
+def hops(p):
+    """One-way hops, one after another, of a one-segment all-reduce on p ranks."""
+    return 1 if p == 2 else 2 * int(math.log2(p))  # 0 for one rank
+
+
 def _tree(link):
     r = link.rank
     parent = (r - 1) // 2 if r > 0 else None
     children = [c for c in (2 * r + 1, 2 * r + 2) if c < link.size]
     if link.codec is None and link.flat is not None and link.numel <= link.segment:
+        if link.size == 2 and link.numel * link.itemsize <= EXCHANGE_BYTES:
+            return _exchange(link, 1 - r)
         return _one_segment(link, parent, children)
     segments = link.segments(0, link.numel)
 
@@ -104,3 +124,30 @@ def _one_segment(link, parent, children):
             work.wait()
     except Exception as e:
         raise link.error(what, peer, e) from e
+
+
+def _exchange(link, peer):
+    """Two ranks: each is a root, receiving the other's tensor while sending its own.
+
+    One hop where the tree takes two (up, then down): at a few bytes a hop is
+    the whole cost, and gloo's own all-reduce takes at least two. Both ranks
+    compute rank 0's tensor + rank 1's, so they agree to the bit (the order
+    fixes even which NaN payload survives).
+    """
+    flat, group = link.flat, link.group
+    buf = link.scratch(flat, 0)
+    what = "receive from"
+    try:
+        received = group.recv([buf], peer, TAG)  # posted first: the peer's send can go at once
+        what = "send to"
+        sent = group.send([flat], peer, TAG)
+        what = "receive from"
+        received.wait()  # bounded by the group's timeout, as in exchange
+        what = "send to"
+        sent.wait()  # our tensor is read until then: only now may it change
+    except Exception as e:
+        raise link.error(what, peer, e) from e
+    if link.rank == 0:
+        flat.add_(buf)
+    else:
+        torch.add(buf, flat, out=flat)
