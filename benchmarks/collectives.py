@@ -12,7 +12,11 @@ likewise time / the time of the fastest algorithm (by median) at that size.
 `--algorithms ... native_again` adds the backend's all-reduce a second time:
 its /native ratio is the machine's noise floor for these ratios.
 `--model` adds the alpha-beta cost model's prediction (costs measured at
-start-up, as `algorithm="auto"` does) and its relative error. Writes
+start-up, as `algorithm="auto"` does) and its relative error. `--cpu` adds the
+CPU time one call costs each rank, per thread (our Python thread, gloo's event
+loop, gloo's workers; median over repetitions, mean over ranks): on a machine
+with fewer cores than the ranks' busy threads, that is what a call competes
+for. Writes
 results/collectives_p{N}.json and .png; progress goes to stderr.
 """
 import argparse
@@ -29,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from measure import (Progress, format_table, init_distributed, median,  # noqa: E402
-                     pairwise_ratio, slowest_rank, sync)
+                     pairwise_ratio, slowest_rank, sync, thread_cpu_ns)
 from minddp import algorithms  # noqa: E402
 from minddp.algorithms import auto, cost_model  # noqa: E402
 
@@ -40,6 +44,8 @@ ALGORITHMS = ["native", "ring", "tree", "halving_doubling", "auto"]
 # algorithm. Its /native ratio is how far two identical operations drift apart
 # on this machine at that size: the noise floor the other ratios sit on.
 NOISE_FLOOR = "native_again"
+# --cpu groups threads by name into these kinds (the rest: "other").
+THREAD_KINDS = {"main": "main", "gloo_tcp_loop": "gloo loop", "pt_gloo_runloop": "gloo workers"}
 
 
 def parse_args(argv=None):
@@ -51,6 +57,8 @@ def parse_args(argv=None):
                         help="scales the repetitions (1.0: about a minute on 2 idle ranks)")
     parser.add_argument("--model", action="store_true",
                         help="print the alpha-beta prediction and its relative error")
+    parser.add_argument("--cpu", action="store_true",
+                        help="print the CPU time per call of each thread kind (Linux)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", default="results")
     return parser.parse_args(argv)
@@ -75,25 +83,48 @@ def make_runners(names, group, chooser):
     return runners
 
 
-def measure_size(nbytes, runners, reps, device):
-    """Per algorithm, the slowest rank's seconds per repetition (interleaved)."""
+def measure_size(nbytes, runners, reps, device, cpu=False):
+    """Per algorithm, the slowest rank's seconds per repetition (interleaved), and
+    with `cpu` {thread kind: this rank's CPU seconds} per repetition (else None)."""
     tensor = torch.zeros(max(1, nbytes // 4), device=device)  # zeros: sums never overflow
     names = list(runners)
     for _ in range(3):  # warm-up: connections, scratch buffers, caches
         for name in names:
             runners[name](tensor)
     times = {name: [] for name in names}
+    cpu_used = {name: [] for name in names} if cpu else None
     for rep in range(reps):
         # A fresh order each repetition (the same on every rank): no algorithm
         # always runs right after the same other one.
         for name in random.Random(rep).sample(names, len(names)):
             dist.barrier()
             sync(device)
+            before = thread_cpu_ns() if cpu else None
+            mine = time.thread_time_ns()
             start = time.perf_counter()
             runners[name](tensor)
             sync(device)
             times[name].append(time.perf_counter() - start)
-    return {name: slowest_rank(t) for name, t in times.items()}
+            if cpu:
+                mine = time.thread_time_ns() - mine
+                after = thread_cpu_ns()
+                used = {kind: (ns - before.get(kind, 0)) * 1e-9 for kind, ns in after.items()}
+                cpu_used[name].append(dict(used, main=mine * 1e-9))
+    return {name: slowest_rank(t) for name, t in times.items()}, cpu_used
+
+
+def cpu_per_call(samples):
+    """{thread kind: seconds}, the median per kind over repetitions, then the mean
+    over ranks (a collective); "all" is the median of the per-repetition sums."""
+    kinds = {THREAD_KINDS.get(name, "other") for sample in samples for name in sample}
+    mine = {kind: median([sum(s for name, s in sample.items()
+                              if THREAD_KINDS.get(name, "other") == kind) for sample in samples])
+            for kind in kinds}
+    mine["all"] = median([sum(sample.values()) for sample in samples])
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {kind: sum(r.get(kind, 0.0) for r in every) / len(every)
+            for kind in dict.fromkeys(k for r in every for k in r)}
 
 
 def run(args, rank, world, device):
@@ -105,7 +136,7 @@ def run(args, rank, world, device):
     rows = []
     for nbytes in args.sizes:
         reps = repetitions(nbytes, args.budget)
-        times = measure_size(nbytes, runners, reps, device)
+        times, cpu_used = measure_size(nbytes, runners, reps, device, args.cpu)
         for name in args.algorithms:
             seconds = median(times[name])
             row = {"algorithm": name, "bytes": nbytes, "world_size": world, "reps": reps,
@@ -117,6 +148,9 @@ def run(args, rank, world, device):
             model_name = row["picked"] or ("native" if name == NOISE_FLOOR else name)
             row["model_us"] = cost_model.predict(model_name, nbytes, world, costs) * 1e6
             row["model_error"] = (row["model_us"] - row["time_us"]) / row["time_us"]
+            if args.cpu:
+                row["cpu_us"] = {kind: seconds * 1e6
+                                 for kind, seconds in cpu_per_call(cpu_used[name]).items()}
             rows.append(row)
         to_best = relative_to_best(times)
         for row in rows[-len(args.algorithms):]:
@@ -155,6 +189,12 @@ def report(rows, costs, args, world):
     if args.model:
         columns += [("model_us", "model us", "{:.1f}"), ("model_error", "model err", "{:+.0%}")]
     shown = [dict(r, size=_human(r["bytes"])) for r in rows]
+    if args.cpu:
+        for row in shown:
+            row.update({f"cpu_{kind}": us for kind, us in row["cpu_us"].items()})
+        present = {k for r in rows for k in r["cpu_us"]}
+        kinds = [k for k in (*THREAD_KINDS.values(), "other", "all") if k in present]
+        columns += [(f"cpu_{kind}", f"cpu us {kind}", "{:.0f}") for kind in kinds]
     print(f"\nall-reduce of float32 on {world} ranks ({dist.get_backend()}, "
           f"{torch.get_num_threads()} thread(s) per rank, {os.cpu_count()} cores); median over "
           f"interleaved repetitions of the slowest rank's time.")

@@ -47,7 +47,7 @@ def test_compare_writes_every_row(tmp_path):
 def _collectives(rank, world_size, out):
     import torch
     import collectives
-    args = collectives.parse_args(["--sizes", "4", "4096", "--budget", "0.05", "--model",
+    args = collectives.parse_args(["--sizes", "4", "4096", "--budget", "0.05", "--model", "--cpu",
                                    "--algorithms", *collectives.ALGORITHMS,
                                    collectives.NOISE_FLOOR, "--out", out])
     rows, costs = collectives.run(args, rank, world_size, torch.device("cpu"))
@@ -78,6 +78,11 @@ def test_collectives_writes_a_row_per_algorithm_and_size(tmp_path):
                       key=lambda r: r["time_us"])
         assert fastest["ratio_to_best"] == 1.0
         assert [r["picked"] for r in mine if r["algorithm"] == "auto"][0] in collectives.ALGORITHMS
+        for row in mine:  # --cpu: our thread always works; gloo's own threads only for native
+            cpu = row["cpu_us"]
+            assert cpu["main"] > 0 and cpu["all"] >= cpu["main"], (size, row["algorithm"], cpu)
+            if row["algorithm"] == "native":
+                assert cpu["gloo workers"] > 0, (size, cpu)
 
 
 def test_relative_to_best_pairs_each_repetition_with_the_fastest():
