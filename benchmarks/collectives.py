@@ -228,7 +228,8 @@ def plot(rows, path, world):
     right.set(xscale="log", xlabel="message bytes", ylabel="time / native (median of pairs)",
               title="relative to the backend's all-reduce")
     left.legend()
-    right.legend()
+    if right.get_legend_handles_labels()[0]:  # nothing but native: no ratios to plot
+        right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
