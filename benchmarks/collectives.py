@@ -7,7 +7,10 @@ For each size (4 B .. 64 MiB of float32) every algorithm runs interleaved,
 repetition by repetition (in a fresh random order each time), after a barrier; a
 repetition's time is the slowest rank's. Reported: median time, algbw =
 bytes / time and busbw = algbw * 2(p-1)/p (nccl-tests' definitions), and the
-median over repetitions of time / native time (fair on a noisy machine), and
+median over repetitions of time / native time (fair on a noisy machine) with a
+95% interval for it (distribution-free; if repetitions were independent, the
+true median would lie outside it in at most 5% of runs: an interval that
+excludes 1 is a difference, not noise; busy spells make it optimistic), and
 likewise time / the time of the fastest algorithm (by median) at that size.
 `--algorithms ... native_again` adds the backend's all-reduce a second time:
 its /native ratio is the machine's noise floor for these ratios.
@@ -33,7 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from measure import (Progress, format_table, init_distributed, median,  # noqa: E402
-                     pairwise_ratio, slowest_rank, sync, thread_cpu_ns)
+                     pairwise_ratio, pairwise_ratio_interval, slowest_rank, sync,
+                     thread_cpu_ns)
 from minddp import algorithms  # noqa: E402
 from minddp.algorithms import auto, cost_model  # noqa: E402
 
@@ -144,6 +148,9 @@ def run(args, rank, world, device):
                    "busbw_gbs": nbytes / seconds / 1e9 * 2 * (world - 1) / world,
                    "ratio_to_native": (pairwise_ratio(times[name], times["native"])
                                        if "native" in times else None),
+                   "ratio_to_native_ci": (_finite(pairwise_ratio_interval(times[name],
+                                                                          times["native"]))
+                                          if "native" in times else None),
                    "picked": chooser.pick(torch.empty(nbytes // 4)) if name == "auto" else None}
             model_name = row["picked"] or ("native" if name == NOISE_FLOOR else name)
             row["model_us"] = cost_model.predict(model_name, nbytes, world, costs) * 1e6
@@ -173,6 +180,15 @@ def relative_to_best(times):
     return {name: pairwise_ratio(t, times[best]) for name, t in times.items()}
 
 
+def _finite(bounds):
+    """The interval as a list, None when there were too few repetitions (nan)."""
+    return None if bounds[0] != bounds[0] else list(bounds)
+
+
+def _interval(bounds):
+    return None if bounds is None else f"{bounds[0]:.2f}-{bounds[1]:.2f}"
+
+
 def _human(nbytes):
     for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale:
@@ -185,10 +201,12 @@ def report(rows, costs, args, world):
                ("time_us", "median us", "{:.1f}"), ("algbw_gbs", "algbw GB/s", "{:.3f}"),
                ("busbw_gbs", "busbw GB/s", "{:.3f}"),
                ("ratio_to_native", "/native (pairwise)", "{:.2f}"),
+               ("native_ci", "/native 95%", "{}"),
                ("ratio_to_best", "/best (pairwise)", "{:.2f}"), ("picked", "auto picked", "{}")]
     if args.model:
         columns += [("model_us", "model us", "{:.1f}"), ("model_error", "model err", "{:+.0%}")]
-    shown = [dict(r, size=_human(r["bytes"])) for r in rows]
+    shown = [dict(r, size=_human(r["bytes"]), native_ci=_interval(r["ratio_to_native_ci"]))
+             for r in rows]
     if args.cpu:
         for row in shown:
             row.update({f"cpu_{kind}": us for kind, us in row["cpu_us"].items()})

@@ -5,6 +5,7 @@ step, and a ratio is the median of per-step ratios, so a slow patch of the
 machine (another process, a frequency drop) slows both sides of a ratio.
 """
 import datetime
+import math
 import os
 import resource
 import statistics
@@ -54,6 +55,33 @@ def median(values):
 def pairwise_ratio(a, b):
     """Median over steps of a[i] / b[i]: fair when a and b were timed interleaved."""
     return median([x / y for x, y in zip(a, b) if y > 0])
+
+
+def median_interval(values, confidence=0.95):
+    """A distribution-free interval for the median of `values`: (low, high).
+
+    The k-th smallest and k-th largest values, with k the largest rank at
+    which the chance that the true median lies outside is at most
+    1 - confidence (each value falls below the median with probability 1/2,
+    so the count below it is binomial(n, 1/2)). No resampling, and no
+    assumption about the shape of the noise. (nan, nan) when too few values
+    (n < 6 at 95%).
+    """
+    xs, n = sorted(values), len(values)
+    k, below = 0, 0.0  # below: P(fewer than k + 1 of n values under the median)
+    while k < n // 2:
+        below += math.comb(n, k) / 2 ** n
+        if 2 * below > 1 - confidence:
+            break
+        k += 1
+    if k == 0:
+        return float("nan"), float("nan")
+    return xs[k - 1], xs[n - k]
+
+
+def pairwise_ratio_interval(a, b, confidence=0.95):
+    """median_interval of the per-step ratios a[i] / b[i] that pairwise_ratio takes the median of."""
+    return median_interval([x / y for x, y in zip(a, b) if y > 0], confidence)
 
 
 def pairwise_difference(a, b):

@@ -78,6 +78,9 @@ def test_collectives_writes_a_row_per_algorithm_and_size(tmp_path):
                       key=lambda r: r["time_us"])
         assert fastest["ratio_to_best"] == 1.0
         assert [r["picked"] for r in mine if r["algorithm"] == "auto"][0] in collectives.ALGORITHMS
+        for row in mine:
+            low, high = row["ratio_to_native_ci"]
+            assert low <= row["ratio_to_native"] <= high, (size, row["algorithm"], low, high)
         for row in mine:  # --cpu: our thread always works; gloo's own threads only for native
             cpu = row["cpu_us"]
             assert cpu["main"] > 0 and cpu["all"] >= cpu["main"], (size, row["algorithm"], cpu)
@@ -102,3 +105,15 @@ def test_relative_to_best_pairs_each_repetition_with_the_fastest():
     lucky = collectives.relative_to_best({"native": [2.0] * 3, "ring": [3.0] * 3,
                                           collectives.NOISE_FLOOR: [1.0] * 3})
     assert lucky["native"] == 1.0 and lucky[collectives.NOISE_FLOOR] == 0.5
+
+
+def test_median_interval_takes_the_binomial_order_statistics():
+    import math
+
+    import measure
+    # 20 values: the 6th smallest and 6th largest (P(outside) = 2 * P(Bin(20, 1/2) <= 5) = 4.1%).
+    assert measure.median_interval(list(range(20, 0, -1))) == (6, 15)
+    assert measure.median_interval(range(1, 7)) == (1, 6)  # 2 / 64 = 3.1% outside
+    low, high = measure.median_interval(range(1, 6))  # 5 values: even (1, 5) misses 6.2%
+    assert math.isnan(low) and math.isnan(high)
+    assert measure.pairwise_ratio_interval([2.0] * 10, [1.0] * 10) == (2.0, 2.0)
