@@ -11,7 +11,8 @@ median over repetitions of time / native time (fair on a noisy machine) with a
 95% interval for it (distribution-free; if repetitions were independent, the
 true median would lie outside it in at most 5% of runs: an interval that
 excludes 1 is a difference, not noise; busy spells make it optimistic), and
-likewise time / the time of the fastest algorithm (by median) at that size.
+likewise (with its interval) time / the time of the fastest algorithm (by
+median) at that size.
 `--algorithms ... native_again` adds the backend's all-reduce a second time:
 its /native ratio is the machine's noise floor for these ratios.
 `--model` adds the alpha-beta cost model's prediction (costs measured at
@@ -159,9 +160,11 @@ def run(args, rank, world, device):
                 row["cpu_us"] = {kind: seconds * 1e6
                                  for kind, seconds in cpu_per_call(cpu_used[name]).items()}
             rows.append(row)
-        to_best = relative_to_best(times)
+        to_best, best = relative_to_best(times), fastest(times)
         for row in rows[-len(args.algorithms):]:
             row["ratio_to_best"] = to_best[row["algorithm"]]
+            row["ratio_to_best_ci"] = _finite(pairwise_ratio_interval(times[row["algorithm"]],
+                                                                      times[best]))
         progress.step(f"{_human(nbytes)}: {reps} reps")
     return rows, costs
 
@@ -174,10 +177,14 @@ def relative_to_best(times):
     repetition, where a ratio of two medians would set each algorithm against
     the luckiest of several noisy medians.
     """
-    # The noise-floor row is native again: never the reference.
-    best = min((name for name in times if name != NOISE_FLOOR),
-               key=lambda name: median(times[name]))
+    best = fastest(times)
     return {name: pairwise_ratio(t, times[best]) for name, t in times.items()}
+
+
+def fastest(times):
+    """The algorithm with the lowest median time; never the noise-floor row (native again)."""
+    return min((name for name in times if name != NOISE_FLOOR),
+               key=lambda name: median(times[name]))
 
 
 def _finite(bounds):
@@ -202,11 +209,12 @@ def report(rows, costs, args, world):
                ("busbw_gbs", "busbw GB/s", "{:.3f}"),
                ("ratio_to_native", "/native (pairwise)", "{:.2f}"),
                ("native_ci", "/native 95%", "{}"),
-               ("ratio_to_best", "/best (pairwise)", "{:.2f}"), ("picked", "auto picked", "{}")]
+               ("ratio_to_best", "/best (pairwise)", "{:.2f}"), ("best_ci", "/best 95%", "{}"),
+               ("picked", "auto picked", "{}")]
     if args.model:
         columns += [("model_us", "model us", "{:.1f}"), ("model_error", "model err", "{:+.0%}")]
-    shown = [dict(r, size=_human(r["bytes"]), native_ci=_interval(r["ratio_to_native_ci"]))
-             for r in rows]
+    shown = [dict(r, size=_human(r["bytes"]), native_ci=_interval(r["ratio_to_native_ci"]),
+                  best_ci=_interval(r["ratio_to_best_ci"])) for r in rows]
     if args.cpu:
         for row in shown:
             row.update({f"cpu_{kind}": us for kind, us in row["cpu_us"].items()})
