@@ -297,22 +297,37 @@ def test_cost_model_fit_and_choice(caplog):
         torch.empty(1)) == "native"
 
 
-def test_auto_gives_near_ties_to_the_backend():
-    assert auto._fastest({"native": 1.04, "ring": 1.0, "tree": 2.0}) == "native"
-    assert auto._fastest({"native": 1.10, "ring": 1.0, "tree": 2.0}) == "ring"
-    assert auto._fastest({"ring": 1.0, "tree": 0.9}) == "tree"  # with a codec: no native
+def _rounds(**rows):
+    names = list(rows)
+    return torch.tensor([rows[n] for n in names], dtype=torch.float64), names
+
+
+def test_auto_gives_near_ties_and_chance_wins_to_the_backend():
+    ring = [1.0] * 8
+    assert auto._fastest(*_rounds(native=[1.04] * 8, ring=ring, tree=[2.0] * 8)) == "native"
+    assert auto._fastest(*_rounds(native=[1.10] * 8, ring=ring, tree=[2.0] * 8)) == "ring"
+    # With a codec there is no native: the best is the best.
+    assert auto._fastest(*_rounds(ring=ring, tree=[0.9] * 8)) == "tree"
+    # 10% ahead in the median, but faster in only 5 rounds of 8: the backend
+    # keeps it. Faster in 6 of 8 (3 rounds of 4): the candidate wins.
+    native = [1.1] * 8
+    assert auto._fastest(*_rounds(native=native, ring=[1.0] * 5 + [1.3] * 3)) == "native"
+    assert auto._fastest(*_rounds(native=native, ring=[1.0] * 6 + [1.3] * 2)) == "ring"
+    # Twice as fast in the median, faster in only 5 of 8 (slow spells): a
+    # clear lead needs no count.
+    assert auto._fastest(*_rounds(native=[2.0] * 8, tree=[1.0] * 5 + [3.0] * 3)) == "tree"
 
 
 def test_auto_scores_each_round_against_its_best():
     # ring takes 0.8x native's time in every round but one; slow spells (x3)
-    # hit ring in rounds 0-2 and native in rounds 0-1 only. Plain medians
+    # hit ring in rounds 0-4 and native in rounds 0-3 only. Plain medians
     # would pick native; per-round ratios see through the spells.
-    ring = torch.tensor([2.4, 2.4, 2.4, 0.8, 0.8], dtype=torch.float64)
-    native = torch.tensor([3.0, 3.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    ring = torch.tensor([2.4] * 5 + [0.8] * 4, dtype=torch.float64)
+    native = torch.tensor([3.0] * 4 + [1.0] * 5, dtype=torch.float64)
     assert native.median() < ring.median(), "the example must fool plain medians"
     scores = auto._relative(torch.stack([ring, native]), ["ring", "native"])
     assert scores == pytest.approx({"ring": 1.0, "native": 1.25})
-    assert auto._fastest(scores) == "ring"
+    assert auto._fastest(torch.stack([ring, native]), ["ring", "native"]) == "ring"
 
 
 def _timed_choice_overrules_the_model(rank, world_size):

@@ -8,9 +8,11 @@ differ by their step counts, but on a busy or oversubscribed machine its line
 can be 30% off where they are close, and 10% is the difference that matters.
 So the first time a bucket size comes up (the wrapper announces its buckets at
 start-up) the candidates are also timed on that size: interleaved rounds after
-barriers (5 to 50, about 0.4 s by the model's account), the slowest rank's
+barriers (8 to 50, about 0.4 s by the model's account), the slowest rank's
 time per round agreed across ranks. The winner is the candidate whose time is
-the lowest multiple of each round's best, in the median over rounds. That
+the lowest multiple of each round's best, in the median over rounds; the
+backend's all-reduce keeps a size unless the winner beat it by over 5% and,
+if by under 15%, in at least 3 rounds of 4. That
 costs a few all-reduces of each candidate once per size (about 1 s for a 25
 MiB bucket on 2 CPU ranks; candidates predicted over 3x slower are skipped)
 and makes every rank pick the same algorithm. In the wrapper, native is timed
@@ -89,7 +91,7 @@ class Chooser:
             times = self._time(nbytes // dtype.itemsize, dtype, device, timed,
                                sum(predicted[n] for n in timed), copied // dtype.itemsize)
             measured = {n: times[i].median().item() for i, n in enumerate(timed)}
-            self._picked[nbytes] = _fastest(_relative(times, timed))
+            self._picked[nbytes] = _fastest(times, timed)
         else:
             measured = {}
             self._picked[nbytes] = min(self.names, key=predicted.__getitem__)
@@ -106,10 +108,10 @@ class Chooser:
         copy of `copied` elements after it."""
         scratch = torch.zeros(numel, dtype=dtype, device=device)
         copy_to = torch.empty(copied, dtype=dtype, device=device)
-        # Rounds: as many as fit in ~0.4 s by the model's account, 5 to 50.
-        # Small buckets take well under a millisecond, about as long as the
-        # machine's hiccups, so they get the most rounds.
-        rounds = max(5, min(50, int(0.4 / max(predicted_round, 1e-9))))
+        # Rounds: as many as fit in ~0.4 s by the model's account, MIN_ROUNDS
+        # to 50. Small buckets take well under a millisecond, about as long as
+        # the machine's hiccups, so they get the most rounds.
+        rounds = max(MIN_ROUNDS, min(50, int(0.4 / max(predicted_round, 1e-9))))
         times = torch.zeros(len(names), rounds, dtype=torch.float64)
         for r in range(rounds + 1):  # round 0 warms up: connections, buffers
             order = names[r % len(names):] + names[:r % len(names)]
@@ -143,6 +145,16 @@ def _kind_of(tensor):
 # process's CPU than its time shows (25 MiB on 2 CPU ranks: 16 ms of CPU for
 # gloo's ring, 18-21 ms for ours, at about the same wall time).
 NATIVE_TIE = 1.05
+# ...and keeps it against a candidate less than CLEAR_LEAD ahead that was not
+# also faster in at least 3 rounds of 4 (were the two equally fast, 6 or more
+# wins in 8 rounds would come up 14% of the time; a candidate 10% faster gets
+# them about 80% of the time where noise scatters a round's ratio by 11%, one
+# standard deviation). A clear lead needs no count: single calls of a few
+# hundred microseconds lose rounds to the machine's slow spells (the tree,
+# twice as fast as gloo at 16 KiB, was faster in under 3 rounds of 4 of 50).
+CLEAR_LEAD = 1.15
+WIN_SHARE = 0.75
+MIN_ROUNDS = 8
 
 
 def _relative(times, names):
@@ -156,11 +168,25 @@ def _relative(times, names):
     return {n: ratios[i].median().item() for i, n in enumerate(names)}
 
 
-def _fastest(measured):
-    best = min(measured, key=measured.__getitem__)
-    if "native" in measured and measured["native"] <= NATIVE_TIE * measured[best]:
+def _fastest(times, names):
+    """The winner of `times` (candidates x rounds): the lowest `_relative` score,
+    unless the backend's all-reduce is within NATIVE_TIE of it or it beat the
+    backend in too few rounds to tell from chance."""
+    scores = _relative(times, names)
+    best = min(names, key=scores.__getitem__)
+    if "native" not in names or best == "native":
+        return best
+    lead = scores["native"] / scores[best]
+    if lead <= NATIVE_TIE:
         return "native"
-    return best
+    if lead >= CLEAR_LEAD:
+        return best
+    # A small lead in the median can come from a few lucky rounds. Without
+    # this check, a benchmark run at 25 MiB on 2 CPU ranks picked
+    # halving-doubling (the ring, on two ranks) over gloo's all-reduce on a
+    # lead past the tie, then timed it at 1.22x gloo's (the ring row: 1.12x).
+    wins = (times[names.index(best)] < times[names.index("native")]).sum().item()
+    return best if wins >= WIN_SHARE * times.shape[1] else "native"
 
 
 def _costs_of(group):
