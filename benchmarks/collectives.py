@@ -36,8 +36,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from measure import (Progress, format_table, init_distributed, median,  # noqa: E402
-                     pairwise_ratio, pairwise_ratio_interval, slowest_rank, sync,
+from measure import (Progress, format_interval, format_table, init_distributed,  # noqa: E402
+                     median, pairwise_ratio, pairwise_ratio_interval, slowest_rank, sync,
                      thread_cpu_ns)
 from minddp import algorithms  # noqa: E402
 from minddp.algorithms import auto, cost_model  # noqa: E402
@@ -149,8 +149,7 @@ def run(args, rank, world, device):
                    "busbw_gbs": nbytes / seconds / 1e9 * 2 * (world - 1) / world,
                    "ratio_to_native": (pairwise_ratio(times[name], times["native"])
                                        if "native" in times else None),
-                   "ratio_to_native_ci": (_finite(pairwise_ratio_interval(times[name],
-                                                                          times["native"]))
+                   "ratio_to_native_ci": (pairwise_ratio_interval(times[name], times["native"])
                                           if "native" in times else None),
                    "picked": chooser.pick(torch.empty(nbytes // 4)) if name == "auto" else None}
             model_name = row["picked"] or ("native" if name == NOISE_FLOOR else name)
@@ -163,8 +162,8 @@ def run(args, rank, world, device):
         to_best, best = relative_to_best(times), fastest(times)
         for row in rows[-len(args.algorithms):]:
             row["ratio_to_best"] = to_best[row["algorithm"]]
-            row["ratio_to_best_ci"] = _finite(pairwise_ratio_interval(times[row["algorithm"]],
-                                                                      times[best]))
+            row["ratio_to_best_ci"] = pairwise_ratio_interval(times[row["algorithm"]],
+                                                              times[best])
         progress.step(f"{_human(nbytes)}: {reps} reps")
     return rows, costs
 
@@ -187,15 +186,6 @@ def fastest(times):
                key=lambda name: median(times[name]))
 
 
-def _finite(bounds):
-    """The interval as a list, None when there were too few repetitions (nan)."""
-    return None if bounds[0] != bounds[0] else list(bounds)
-
-
-def _interval(bounds):
-    return None if bounds is None else f"{bounds[0]:.2f}-{bounds[1]:.2f}"
-
-
 def _human(nbytes):
     for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale:
@@ -213,8 +203,8 @@ def report(rows, costs, args, world):
                ("picked", "auto picked", "{}")]
     if args.model:
         columns += [("model_us", "model us", "{:.1f}"), ("model_error", "model err", "{:+.0%}")]
-    shown = [dict(r, size=_human(r["bytes"]), native_ci=_interval(r["ratio_to_native_ci"]),
-                  best_ci=_interval(r["ratio_to_best_ci"])) for r in rows]
+    shown = [dict(r, size=_human(r["bytes"]), native_ci=format_interval(r["ratio_to_native_ci"]),
+                  best_ci=format_interval(r["ratio_to_best_ci"])) for r in rows]
     if args.cpu:
         for row in shown:
             row.update({f"cpu_{kind}": us for kind, us in row["cpu_us"].items()})

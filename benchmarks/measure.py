@@ -80,8 +80,15 @@ def median_interval(values, confidence=0.95):
 
 
 def pairwise_ratio_interval(a, b, confidence=0.95):
-    """median_interval of the per-step ratios a[i] / b[i] that pairwise_ratio takes the median of."""
-    return median_interval([x / y for x, y in zip(a, b) if y > 0], confidence)
+    """median_interval of the per-step ratios a[i] / b[i] that pairwise_ratio takes the median
+    of, as [low, high] (JSON-ready); None when there are too few pairs for one."""
+    low, high = median_interval([x / y for x, y in zip(a, b) if y > 0], confidence)
+    return None if low != low else [low, high]
+
+
+def format_interval(bounds):
+    """[low, high] as "0.97-1.02" for a table cell; None (too few pairs) as a blank "-"."""
+    return None if bounds is None else f"{bounds[0]:.2f}-{bounds[1]:.2f}"
 
 
 def pairwise_difference(a, b):

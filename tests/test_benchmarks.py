@@ -38,6 +38,7 @@ def test_compare_writes_every_row(tmp_path):
         for key in ("step_ms", "samples_per_s", "peak_mem_mb", "ratio_to_torch_ddp"):
             assert isinstance(row[key], float) and row[key] > 0, (row["name"], key, row[key])
         assert len(row["steps_ms"]) == 2
+        assert row["ratio_to_torch_ddp_ci"] is None  # 2 steps are too few for a 95% interval
         if row["name"] != "no_comm":
             assert row["comm_ms"] > 0 and 0.0 <= row["hidden_share"] <= 1.0
     present = {r["name"] for r in written if r["absent"] is None}
@@ -117,4 +118,6 @@ def test_median_interval_takes_the_binomial_order_statistics():
     assert measure.median_interval(range(1, 7)) == (1, 6)  # 2 / 64 = 3.1% outside
     low, high = measure.median_interval(range(1, 6))  # 5 values: even (1, 5) misses 6.2%
     assert math.isnan(low) and math.isnan(high)
-    assert measure.pairwise_ratio_interval([2.0] * 10, [1.0] * 10) == (2.0, 2.0)
+    assert measure.pairwise_ratio_interval([2.0] * 10, [1.0] * 10) == [2.0, 2.0]
+    assert measure.pairwise_ratio_interval([2.0] * 5, [1.0] * 5) is None  # too few for 95%
+    assert measure.format_interval([0.9712, 1.0049]) == "0.97-1.00"
