@@ -13,6 +13,7 @@ from torch import nn
 
 from minddp import algorithms
 from minddp import compression as compressing
+from minddp.algorithms import lanes
 from minddp.comm import CommEngine
 from minddp.health import PeerProgress
 from minddp.join import Join
@@ -21,18 +22,6 @@ from minddp.reducer import Reducer
 from minddp.timeline import from_environment
 
 COMPRESSIONS = (None, "fp16", "bf16")
-
-
-def _timeout_of(group):
-    """The process group's own timeout (gloo and NCCL keep it in their options)."""
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-    except Exception:  # noqa: BLE001 - e.g. an NCCL-only group
-        backend = group._get_backend(torch.device("cuda"))
-    try:
-        return backend.options._timeout
-    except AttributeError:
-        return datetime.timedelta(minutes=30)
 
 
 class DistributedDataParallel(nn.Module):
@@ -119,16 +108,18 @@ class DistributedDataParallel(nn.Module):
         Every rank of `group` must call it; a peer that dies or never arrives
         turns into an error here (within the group's timeout), not a hang.
         """
-        timeout = timeout if timeout is not None else _timeout_of(group)
+        timeout = timeout if timeout is not None else lanes.timeout_of(group)
         if isinstance(timeout, (int, float)):
             timeout = datetime.timedelta(seconds=timeout)
         try:
             check_same_model(named, settings, group)
             broadcast_from_first([p.data for _, p in module.named_parameters()] +
                                  list(module.buffers()), group)
-            return dist.new_group(dist.get_process_group_ranks(group),
-                                  backend=dist.get_backend(group), timeout=timeout,
-                                  use_local_synchronization=group is not dist.group.WORLD)
+            comm_group = dist.new_group(dist.get_process_group_ranks(group),
+                                        backend=dist.get_backend(group), timeout=timeout,
+                                        use_local_synchronization=group is not dist.group.WORLD)
+            lanes.open_lanes(comm_group)  # here, not on first use in the comm thread
+            return comm_group
         except ValueError:
             raise  # a mismatch, already explained
         except Exception as e:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import minddp
 from minddp import algorithms
-from minddp.algorithms import auto, cost_model, p2p, tree
+from minddp.algorithms import auto, cost_model, lanes, p2p, tree
 from dist_harness import run_world
 
 OURS = ["ring", "tree", "halving_doubling"]
@@ -114,15 +114,20 @@ def _check_pieces(rank, world_size, algorithm, noise):
 
 
 def _record_sends(rank, world_size):
-    """Per algorithm: the (op, peer) of every message this rank posts to the process group."""
+    """Per algorithm: the (op, peer) of every message this rank posts to a process
+    group; under "lanes", (op, peer, posted on the world group itself) of them all."""
     group_type = type(dist.group.WORLD)
     # From the class's own dict: getattr would give an unbound builtin, which
     # restored in its place would no longer receive the group as self.
     originals, log = {op: group_type.__dict__[op] for op in ("send", "recv")}, []
+    lanes_used, other_groups = set(), set()
 
     def recording(op):
         def post(group, tensors, peer, tag):
             log.extend((op, peer) for _ in tensors)  # one message per tensor
+            lanes_used.add((op, peer, group is dist.group.WORLD))
+            if group is not dist.group.WORLD:
+                other_groups.add(id(group))
             return originals[op](group, tensors, peer, tag)
         return post
 
@@ -134,6 +139,8 @@ def _record_sends(rank, world_size):
             log.clear()
             minddp.all_reduce(_values(rank, 2 * world_size + 1, torch.float32), algorithm)
             pattern[algorithm] = list(log)
+        assert len(other_groups) <= 1, f"rank {rank}: messages went on {len(other_groups)} lanes"
+        pattern["lanes"] = sorted(lanes_used)
         return pattern
     finally:
         for op, original in originals.items():
@@ -204,6 +211,13 @@ def _check_pattern(world_size, patterns):
             partners |= {r - 1} if r < 2 * extra else set()
         peers = {peer for _, peer in pattern["halving_doubling"]}
         assert peers <= partners, f"halving_doubling on {p} ranks: rank {r} talked to {peers}"
+        # Lanes: data toward a higher rank travels on the group, toward a lower
+        # one on its reverse lane, so no gloo connection carries data both ways.
+        for op, peer, on_group in pattern["lanes"]:
+            upward = (r < peer) == (op == "send")
+            assert on_group == upward, (
+                f"{p} ranks: rank {r}'s {op} {'to' if op == 'send' else 'from'} rank {peer} "
+                f"went on the {'group' if on_group else 'reverse lane'}")
 
 
 @pytest.mark.parametrize("world_size", range(1, 9))
@@ -247,6 +261,23 @@ def test_dead_peer_in_the_two_rank_exchange():
                         expect_dead=(1,))[0]
     assert "tree all-reduce (rank 0 of 2)" in message, message
     assert "to rank 1" in message or "from rank 1" in message, message
+
+
+def _lane_without_peer(rank, world_size):
+    dist.barrier()
+    if rank == 1:
+        os._exit(1)  # gone before the group's reverse lane is opened
+    try:
+        lanes.open_lanes(dist.group.WORLD)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_lane_that_cannot_open_says_why():
+    message = run_world(_lane_without_peer, 2, timeout=60, pg_timeout=10, expect_dead=(1,))[0]
+    assert "rank 0 of 2" in message and "reverse lane" in message, message
+    assert "timeout" in message and "peer died" in message, message
 
 
 def test_refuses_sparse_and_unknown_names():

@@ -16,6 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp
+from minddp.algorithms import lanes
 from minddp.comm import CommEngine
 from dist_harness import run_world
 from models import MODELS, batch
@@ -38,6 +39,8 @@ def _train_both(rank, world_size, name, steps=3, torch_kwargs=None, ours_kwargs=
     ours_kwargs = dict(ours_kwargs or {})
     ref = TorchDDP(copy.deepcopy(model), **torch_kwargs)
     ours = minddp.DDP(copy.deepcopy(model), **{"algorithm": "native", **ours_kwargs})
+    # Opened by the constructor: never created later by the communication thread.
+    assert lanes.is_open(ours.comm_group), "the wrapper left its reverse lane unopened"
     ref_hook = hook if ref_hook == "same" else ref_hook
     if ref_hook is not None:
         ref.register_comm_hook(None, ref_hook)

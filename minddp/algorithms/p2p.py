@@ -15,7 +15,9 @@ Everything the algorithms would otherwise repeat lives here:
 - reused scratch buffers (no allocation per call for plain tensors), and a
   window of them for receives to add (WINDOW_BYTES per peer, cache-warm);
 - waits bounded by the process group's timeout, and errors that name the
-  algorithm, this rank and the peer it was waiting for.
+  algorithm, this rank and the peer it was waiting for;
+- lanes (lanes.py): on gloo, messages to a higher rank go on the group, to a
+  lower one on its reverse lane, so no connection carries data both ways.
 
 Ordering, not tags, keeps buckets apart: one thread per process group runs
 the calls in the same order on every rank and messages between two ranks with
@@ -34,6 +36,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
+
+from minddp.algorithms import lanes
 
 # Segment size: big enough that the per-message cost is small, small enough
 # that adding one segment overlaps receiving the next. gloo's own ring uses
@@ -68,24 +72,29 @@ def run(algorithm, body, tensor, group, codec=None, segment_bytes=None):
     dtype. Non-contiguous tensors are reduced through a contiguous copy.
     `tensor` may also be a list of contiguous tensors of one dtype and device,
     summed as one flat tensor in pieces: every rank must give the same sizes.
-    `segment_bytes` defaults to SEGMENT_BYTES.
+    `segment_bytes` defaults to SEGMENT_BYTES. The first call on a gloo group
+    ends by opening the group's reverse lane (lanes.py), on every rank alike.
     """
     group = group if group is not None else dist.group.WORLD
-    if isinstance(tensor, (list, tuple)):
-        pieces = [_piece(piece, algorithm, group) for piece in tensor]
-        pieces = [piece for piece in pieces if piece.numel()]
-        rank, size, backend = _membership(group)
-        if size > 1 and pieces:
-            _reduce(algorithm, body, pieces, group, codec, segment_bytes, rank, size, backend)
-        return tensor
-    _check_dense(tensor, algorithm, group)
+    whole = not isinstance(tensor, (list, tuple))
+    if whole:
+        _check_dense(tensor, algorithm, group)
+        pieces = [tensor] if tensor.numel() else []
+    else:
+        pieces = [piece for piece in (_piece(t, algorithm, group) for t in tensor)
+                  if piece.numel()]
     rank, size, backend = _membership(group)
-    if size == 1 or tensor.numel() == 0:
+    if size == 1 or not pieces:
         return tensor
-    work = tensor if tensor.is_contiguous() else tensor.contiguous()
-    _reduce(algorithm, body, [_flat(work)], group, codec, segment_bytes, rank, size, backend)
-    if work is not tensor:
+    if whole:
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        pieces = [_flat(work)]
+    opened = lanes.is_open(group)
+    _reduce(algorithm, body, pieces, group, codec, segment_bytes, rank, size, backend)
+    if whole and work is not tensor:
         tensor.copy_(work)
+    if not opened:
+        lanes.open_lanes(group)
     return tensor
 
 
@@ -148,6 +157,7 @@ class Link:
 
     def __init__(self, algorithm, pieces, group, codec, segment_bytes, rank, size):
         self.algorithm, self.group, self.codec = algorithm, group, codec
+        self.reverse = lanes.reverse(group)  # carries messages to lower ranks
         self.pieces = pieces  # 1-D, contiguous, one dtype; concatenated they are the tensor
         self.flat = pieces[0] if len(pieces) == 1 else None
         self.rank, self.size = rank, size
@@ -257,6 +267,11 @@ class Link:
         wire = payload if isinstance(payload, list) else self.wire(payload, plain=plain)
         return self._post("send", peer, wire, tag)
 
+    def lane(self, op, peer):
+        """The process group for a message to ("send") or from ("recv") `peer`:
+        the group toward higher ranks, its reverse lane toward lower ones."""
+        return self.group if (self.rank < peer) == (op == "send") else self.reverse
+
     def scratch(self, view, slot):
         """The reused receive buffer of window slot `slot`, as many elements as `view`."""
         return _scratch(view.numel(), view.dtype, view.device, ("window", slot, 0))
@@ -281,7 +296,8 @@ class Link:
         """Start sending or receiving `tensors`; returns (what, peer, works) for _wait."""
         what = "send to" if op == "send" else "receive from"
         try:
-            post = self.group.send if op == "send" else self.group.recv
+            lane = self.lane(op, peer)
+            post = lane.send if op == "send" else lane.recv
             return what, peer, [post([t], peer, tag) for t in tensors]
         except Exception as e:
             raise self.error(what, peer, e) from e

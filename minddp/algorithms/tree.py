@@ -96,7 +96,7 @@ def _one_segment(link, parent, children):
     the exchange's bookkeeping took the tree to 1.2x gloo's all-reduce, this
     path to about 1.0x (benchmarks/collectives.py --sizes 4).
     """
-    flat, group = link.flat, link.group
+    flat = link.flat
     bufs = [link.scratch(flat, k) for k in range(len(children))]
     # Only the messages sit inside the try blocks, so only their failures are
     # reported as a peer's; `peer` is set before each is posted or awaited.
@@ -104,7 +104,7 @@ def _one_segment(link, parent, children):
     try:
         works = []
         for peer, buf in zip(children, bufs):
-            works.append(group.recv([buf], peer, TAG))
+            works.append(link.lane("recv", peer).recv([buf], peer, TAG))
         for peer, work in zip(children, works):
             work.wait()  # bounded by the group's timeout, as in exchange
     except Exception as e:
@@ -114,12 +114,12 @@ def _one_segment(link, parent, children):
     try:
         if parent is not None:
             what, peer = "send to", parent
-            group.send([flat], parent, TAG).wait()
+            link.lane("send", parent).send([flat], parent, TAG).wait()
             what = "receive from"
-            group.recv([flat], parent, TAG).wait()
+            link.lane("recv", parent).recv([flat], parent, TAG).wait()
         what, works = "send to", []
         for peer in children:
-            works.append(group.send([flat], peer, TAG))
+            works.append(link.lane("send", peer).send([flat], peer, TAG))
         for peer, work in zip(children, works):
             work.wait()
     except Exception as e:
@@ -134,13 +134,14 @@ def _exchange(link, peer):
     compute rank 0's tensor + rank 1's, so they agree to the bit (the order
     fixes even which NaN payload survives).
     """
-    flat, group = link.flat, link.group
+    flat = link.flat
     buf = link.scratch(flat, 0)
     what = "receive from"
     try:
-        received = group.recv([buf], peer, TAG)  # posted first: the peer's send can go at once
+        # Posted first: the peer's send can go at once.
+        received = link.lane("recv", peer).recv([buf], peer, TAG)
         what = "send to"
-        sent = group.send([flat], peer, TAG)
+        sent = link.lane("send", peer).send([flat], peer, TAG)
         what = "receive from"
         received.wait()  # bounded by the group's timeout, as in exchange
         what = "send to"
