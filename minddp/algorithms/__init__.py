@@ -70,7 +70,8 @@ def all_reduce(tensor, algorithm="ring", group=None):
     """Sum `tensor` in place over `group` (default: the world) with `algorithm`.
 
     Every rank of the group must call it with a tensor of the same shape and
-    dtype. Returns the tensor.
+    dtype. Returns the tensor. The first call on a gloo group also opens the
+    group's reverse lane (lanes.py), a second group over the same ranks.
     """
     group = group if group is not None else dist.group.WORLD
     return resolve(algorithm).all_reduce(tensor, group)

@@ -13,9 +13,10 @@ So each gloo group gets a second process group over the same ranks (its
 reverse lane): messages from a lower to a higher rank travel on the group
 itself, from higher to lower on the lane. Each connection then carries data
 one way only, and the writer and the reader of one rank never want the same
-lock. On 2 CPU ranks (scratch runs, ring vs gloo's all-reduce, interleaved)
-a 8 MiB ring went from 0.94-1.17 of gloo's time to 0.82-0.85, 1 MiB from
-1.11-1.26 to 0.86-0.89, 25 MiB from 1.05 to 0.94-0.99.
+lock. On 2 CPU ranks (benchmarks/collectives.py, README "All-reduce
+algorithms") the ring went from 1.17 of gloo's all-reduce time to 0.86-1.05
+at 1 MiB, from 1.27 to 0.78 at 16 MiB, and from 0.93-0.98 to 0.91-0.95 at
+25 MiB.
 
 NCCL keeps one lane: its point-to-point has no such lock, and a second
 communicator would cost GPU memory.
