@@ -5,6 +5,7 @@ case (algorithms x sizes x dtypes, segmented runs, codecs, non-contiguous
 input, the send pattern) and returns what the parent checks. Inputs are small
 integers, so every sum is exact in every dtype, whatever the order.
 """
+import contextlib
 import hashlib
 import logging
 import os
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 import minddp
 from minddp import algorithms
-from minddp.algorithms import auto, cost_model, lanes, p2p, tree
+from minddp.algorithms import auto, cost_model, lanes, p2p, ring, tree
 from dist_harness import run_world
 
 OURS = ["ring", "tree", "halving_doubling"]
@@ -113,38 +114,60 @@ def _check_pieces(rank, world_size, algorithm, noise):
         f"{algorithm}: pieces summed differently from the whole tensor")
 
 
-def _record_sends(rank, world_size):
-    """Per algorithm: the (op, peer) of every message this rank posts to a process
-    group; under "lanes", (op, peer, posted on the world group itself) of them all."""
+@contextlib.contextmanager
+def _recording():
+    """Log (op, peer, tag, group) of every message this rank posts to a process
+    group while inside; yields the log."""
     group_type = type(dist.group.WORLD)
     # From the class's own dict: getattr would give an unbound builtin, which
     # restored in its place would no longer receive the group as self.
     originals, log = {op: group_type.__dict__[op] for op in ("send", "recv")}, []
-    lanes_used, other_groups = set(), set()
 
     def recording(op):
         def post(group, tensors, peer, tag):
-            log.extend((op, peer) for _ in tensors)  # one message per tensor
-            lanes_used.add((op, peer, group is dist.group.WORLD))
-            if group is not dist.group.WORLD:
-                other_groups.add(id(group))
+            # one message per tensor
+            log.extend((op, peer, tag, group) for _ in tensors)
             return originals[op](group, tensors, peer, tag)
         return post
 
     for op in originals:
         setattr(group_type, op, recording(op))
     try:
-        pattern = {}
-        for algorithm in OURS:
-            log.clear()
-            minddp.all_reduce(_values(rank, 2 * world_size + 1, torch.float32), algorithm)
-            pattern[algorithm] = list(log)
-        assert len(other_groups) <= 1, f"rank {rank}: messages went on {len(other_groups)} lanes"
-        pattern["lanes"] = sorted(lanes_used)
-        return pattern
+        yield log
     finally:
         for op, original in originals.items():
             setattr(group_type, op, original)
+
+
+def _record_sends(rank, world_size):
+    """Per algorithm: the (op, peer) of every message this rank posts to a process
+    group; under "lanes", (op, peer, posted on the world group itself) of them all."""
+    pattern, lanes_used, other_groups = {}, set(), set()
+    with _recording() as log:
+        for algorithm in OURS:
+            log.clear()
+            minddp.all_reduce(_values(rank, 2 * world_size + 1, torch.float32), algorithm)
+            pattern[algorithm] = [(op, peer) for op, peer, _, _ in log]
+            lanes_used.update((op, peer, group is dist.group.WORLD) for op, peer, _, group in log)
+            other_groups.update(id(group) for *_, group in log if group is not dist.group.WORLD)
+    assert len(other_groups) <= 1, f"rank {rank}: messages went on {len(other_groups)} lanes"
+    pattern["lanes"] = sorted(lanes_used)
+    return pattern
+
+
+def _ring_receive_order(rank, world_size):
+    """The ring's receives in the order posted, with a window of two segments: the
+    all-gather's go up at once, not behind the reduce-scatter's window (their
+    messages cannot be written before). Run with tiny segments."""
+    with _recording() as log:
+        tensor = _values(rank, 1000, torch.float32)
+        minddp.all_reduce(tensor, "ring")
+    assert torch.equal(tensor, _expected(world_size, 1000, torch.float32))
+    tags = [tag for op, _, tag, _ in log if op == "recv"]
+    last_add = len(tags) - 1 - tags[::-1].index(ring.REDUCE_SCATTER)
+    assert ring.ALL_GATHER in tags[:last_add], (
+        f"rank {rank} of {world_size}: the ring's all-gather receives were posted after its "
+        f"last reduce-scatter receive: {tags}")
 
 
 def _grid(rank, world_size):
@@ -156,8 +179,11 @@ def _grid(rank, world_size):
     generator = torch.Generator().manual_seed(rank)
     noise = torch.randn(4099, generator=generator)
     # Tiny segments: the pipelined paths (many segments per chunk) on small data.
-    default_segments = p2p.SEGMENT_BYTES, tree.SEGMENT_BYTES
-    p2p.SEGMENT_BYTES, tree.SEGMENT_BYTES = 64, 64
+    # A window of two segments: the adds wait for free buffers, as large buckets do.
+    default_segments = p2p.SEGMENT_BYTES, tree.SEGMENT_BYTES, p2p.WINDOW_BYTES
+    p2p.SEGMENT_BYTES, tree.SEGMENT_BYTES, p2p.WINDOW_BYTES = 64, 64, 128
+    if world_size > 1:
+        _ring_receive_order(rank, world_size)
     for algorithm in OURS:
         _check_sums(rank, world_size, algorithm, [1000, 4099], [torch.float32, torch.int64])
         digests[algorithm] = _digest(minddp.all_reduce(noise.clone(), algorithm))
@@ -173,7 +199,7 @@ def _grid(rank, world_size):
         error = (lossy - minddp.all_reduce(noise.clone(), algorithm)).abs().max().item()
         assert error < 0.05 * world_size, f"{algorithm} with an fp16 codec: error {error}"
         _check_pieces(rank, world_size, algorithm, noise)
-    p2p.SEGMENT_BYTES, tree.SEGMENT_BYTES = default_segments
+    p2p.SEGMENT_BYTES, tree.SEGMENT_BYTES, p2p.WINDOW_BYTES = default_segments
     for algorithm in OURS:  # and in one segment (the tree's own path for it)
         digests[algorithm + " one segment"] = _digest(minddp.all_reduce(noise.clone(), algorithm))
     job = algorithms.planner("auto", dist.group.WORLD, codec=_IdentityCodec())
