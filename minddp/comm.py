@@ -13,15 +13,25 @@ Errors: an exception inside a job is set on that job's future (the training
 process sees it when it waits, at the latest at the end of backward) and
 poisons the engine, so later jobs fail at once instead of waiting for peers
 that have moved on.
+
+Exit: the thread is a daemon (a forgotten wrapper must not keep the process
+alive), and every live engine is stopped at interpreter exit. Without that,
+a script that ends right after a backward could abort ("terminate called
+without an active exception", SIGABRT): the thread, still inside
+Future.set_result in C++, tried to take the GIL back while the interpreter
+was finalizing and was unwound through a frame that cannot be.
 """
+import atexit
 import queue
 import threading
+import weakref
 
 import torch
 
 from minddp.timeline import now_us, profiled
 
 _STOP = object()
+_live = weakref.WeakSet()  # engines whose thread may still run, stopped at exit
 
 
 class CommEngine:
@@ -34,6 +44,7 @@ class CommEngine:
         self._error = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        _live.add(self)
 
     def submit(self, job, *args, label="job"):
         """Queue `job(*args)`; return a Future of its result.
@@ -102,3 +113,11 @@ class CommEngine:
         if self.timeline is not None:
             self.timeline.span(label, start, now_us(), thread="comm",
                                job=f"{getattr(job, '__module__', '')}.{job.__name__}")
+
+
+@atexit.register
+def _stop_all():
+    # atexit runs before finalization: each thread can still take the GIL,
+    # finish the job it is in and leave its loop.
+    for engine in list(_live):
+        engine.close()
