@@ -10,9 +10,7 @@ So the first time a bucket size comes up (the wrapper announces its buckets at
 start-up) the candidates are also timed on that size: interleaved rounds after
 barriers (8 to 50, about 0.4 s by the model's account), the slowest rank's
 time per round agreed across ranks. The winner is the candidate whose time is
-the lowest multiple of each round's best, in the median over rounds; the
-backend's all-reduce keeps a size unless the winner beat it by over 5% and,
-if by under 15%, in at least 3 rounds of 4. That
+the lowest multiple of each round's best, in the median over rounds. That
 costs a few all-reduces of each candidate once per size (about 1 s for a 25
 MiB bucket on 2 CPU ranks; candidates predicted over 3x slower are skipped)
 and makes every rank pick the same algorithm. In the wrapper, native is timed
@@ -140,20 +138,13 @@ def _kind_of(tensor):
     return first.dtype, first.device
 
 
-# The backend's all-reduce wins a near tie: it runs on the backend's own
-# threads, off the Python interpreter, and takes less of the training
-# process's CPU than its time shows (25 MiB on 2 CPU ranks: 16 ms of CPU for
-# gloo's ring, 18-21 ms for ours, at about the same wall time).
-NATIVE_TIE = 1.05
-# ...and keeps it against a candidate less than CLEAR_LEAD ahead that was not
-# also faster in at least 3 rounds of 4 (were the two equally fast, 6 or more
-# wins in 8 rounds would come up 14% of the time; a candidate 10% faster gets
-# them about 80% of the time where noise scatters a round's ratio by 11%, one
-# standard deviation). A clear lead needs no count: single calls of a few
-# hundred microseconds lose rounds to the machine's slow spells (the tree,
-# twice as fast as gloo at 16 KiB, was faster in under 3 rounds of 4 of 50).
-CLEAR_LEAD = 1.15
-WIN_SHARE = 0.75
+# No side is favoured. The backend's all-reduce used to keep a size unless
+# beaten by 5%, and by 15% or in 3 rounds of 4: it runs off the Python
+# thread, and took less CPU per call (25 MiB on 2 CPU ranks: 16 ms for gloo's
+# ring, 18-21 ms for ours). Since lanes and the early all-gather receives
+# (p2p.py) ours takes about the same (10.1 ms against 9.7-10.5, collectives.py
+# --cpu), and the bias kept gloo where the ring was 10-15% faster: auto ran
+# 1.12-1.18x the best at 16 and 25 MiB.
 MIN_ROUNDS = 8
 
 
@@ -170,23 +161,9 @@ def _relative(times, names):
 
 def _fastest(times, names):
     """The winner of `times` (candidates x rounds): the lowest `_relative` score,
-    unless the backend's all-reduce is within NATIVE_TIE of it or it beat the
-    backend in too few rounds to tell from chance."""
+    the first in `names` on a tie."""
     scores = _relative(times, names)
-    best = min(names, key=scores.__getitem__)
-    if "native" not in names or best == "native":
-        return best
-    lead = scores["native"] / scores[best]
-    if lead <= NATIVE_TIE:
-        return "native"
-    if lead >= CLEAR_LEAD:
-        return best
-    # A small lead in the median can come from a few lucky rounds. Without
-    # this check, a benchmark run at 25 MiB on 2 CPU ranks picked
-    # halving-doubling (the ring, on two ranks) over gloo's all-reduce on a
-    # lead past the tie, then timed it at 1.22x gloo's (the ring row: 1.12x).
-    wins = (times[names.index(best)] < times[names.index("native")]).sum().item()
-    return best if wins >= WIN_SHARE * times.shape[1] else "native"
+    return min(names, key=scores.__getitem__)
 
 
 def _costs_of(group):
