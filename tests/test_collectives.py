@@ -306,6 +306,45 @@ def test_lane_that_cannot_open_says_why():
     assert "timeout" in message and "peer died" in message, message
 
 
+class _PostingGroup:
+    """A process group that completes every message at once and logs its receives."""
+
+    def __init__(self):
+        self.received = []
+
+    def send(self, tensors, peer, tag):
+        return types.SimpleNamespace(wait=lambda: True)
+
+    def recv(self, tensors, peer, tag):
+        self.received.append((tag, tensors[0].data_ptr()))
+        return types.SimpleNamespace(wait=lambda: True)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_receive_posting_order(backend, monkeypatch):
+    # A window of two segments; five adds (tag 1), then sets: two of tag 2,
+    # one of tag 1. On gloo (matched by peer and tag) the tag-2 sets go up as
+    # soon as the window is full, the tag-1 set keeps its place behind the
+    # adds; on NCCL (matched by posting order alone) every receive keeps it.
+    monkeypatch.setattr(p2p, "WINDOW_BYTES", 128)
+    group = _PostingGroup()
+    flat = torch.zeros(16 * 8)
+    link = p2p.Link("ring", [flat], group, None, 64, 0, 2, backend)
+    views = link.segments(0, flat.numel())
+    recvs = ([(1, views[i], "add", 1) for i in range(5)] +
+             [(1, views[5], "set", 2), (1, views[6], "set", 2), (1, views[7], "set", 1)])
+    link.exchange([], recvs)
+    # Adds land in window buffers, sets straight into their segment.
+    into = {views[i].data_ptr(): f"set{i}" for i in (5, 6, 7)}
+    posted = [into.get(ptr, f"add{tag}") for tag, ptr in group.received]
+    assert all(tag == (1 if name in ("add1", "set7") else 2)
+               for (tag, _), name in zip(group.received, posted)), group.received
+    if backend == "gloo":
+        assert posted == ["add1", "add1", "set5", "set6", "add1", "add1", "add1", "set7"]
+    else:
+        assert posted == ["add1"] * 5 + ["set5", "set6", "set7"]
+
+
 def test_refuses_sparse_and_unknown_names():
     with pytest.raises(TypeError, match="dense"):
         p2p.run("ring", None, torch.eye(3).to_sparse(), _FakeGroup(2))

@@ -130,7 +130,8 @@ def _reduce(algorithm, body, pieces, group, codec, segment_bytes, rank, size, ba
         pieces = [_scratch(numel, pieces[0].dtype, torch.device("cpu"), "stage", pinned=True)]
         for start, piece in _placed(staged):
             pieces[0][start:start + piece.numel()].copy_(piece)
-    body(Link(algorithm, pieces, group, codec, segment_bytes or SEGMENT_BYTES, rank, size))
+    body(Link(algorithm, pieces, group, codec, segment_bytes or SEGMENT_BYTES, rank, size,
+              backend))
     if staged:
         for start, piece in _placed(staged):
             piece.copy_(pieces[0][start:start + piece.numel()])
@@ -155,9 +156,12 @@ def _placed(pieces):
 class Link:
     """One all-reduce call as seen by one rank: its flat tensor (in pieces), peers and codec."""
 
-    def __init__(self, algorithm, pieces, group, codec, segment_bytes, rank, size):
+    def __init__(self, algorithm, pieces, group, codec, segment_bytes, rank, size, backend):
         self.algorithm, self.group, self.codec = algorithm, group, codec
         self.reverse = lanes.reverse(group)  # carries messages to lower ranks
+        # gloo matches a message to the first receive posted for its peer and
+        # tag; NCCL ignores tags and goes by posting order alone.
+        self.by_tag = backend == "gloo"
         self.pieces = pieces  # 1-D, contiguous, one dtype; concatenated they are the tensor
         self.flat = pieces[0] if len(pieces) == 1 else None
         self.rank, self.size = rank, size
@@ -210,10 +214,11 @@ class Link:
         "add" receives land in reused buffers, WINDOW_BYTES per peer in flight:
         they stay in cache, where the kernel writes the data and the add reads
         it (a buffer per segment measured 1.5x the kernel's copy time).
-        Receives are posted in list order (a message matches the first
-        receive posted for its peer and tag), except that a "set" whose peer
-        and tag no "add" shares goes up as soon as the window blocks, rather
-        than behind it. "set" receives go straight into place or,
+        Receives are posted in list order (gloo matches a message to the
+        first receive posted for its peer and tag, NCCL to the first posted
+        for its peer), except that on gloo a "set" whose peer and tag no
+        "add" shares goes up as soon as the window blocks, rather than behind
+        it. "set" receives go straight into place or,
         with a codec, into wires of their own. Returns the received wires in
         `recvs` order (None for "add"), to forward. Blocks until all are done.
         """
@@ -250,13 +255,14 @@ class Link:
                 next_up[0] += 1
 
         post_in_order()
-        # A "set" whose peer and tag no "add" shares cannot take an add's
-        # message, so it need not wait behind the window: gloo writes a
+        # On gloo, a "set" whose peer and tag no "add" shares cannot take an
+        # add's message, so it need not wait behind the window (on NCCL,
+        # which ignores tags, every receive keeps its place): gloo writes a
         # message only once its receive is posted, and the ring's all-gather
         # would wait for the reduce-scatter's last adds (2 ranks: the ring at
         # 64 MiB went from 0.89-0.90 of gloo's time to 0.80-0.82, at 25 MiB
         # from 0.94 to 0.86-0.87; benchmarks/collectives.py, two runs each).
-        if next_up[0] < len(recvs):
+        if next_up[0] < len(recvs) and self.by_tag:
             adders_tags = {(peer, its_tag) for peer, _, how, its_tag in recvs if how == "add"}
             for i in range(next_up[0], len(recvs)):
                 peer, _, how, its_tag = recvs[i]
