@@ -15,15 +15,20 @@ poisons the engine, so later jobs fail at once instead of waiting for peers
 that have moved on.
 
 Exit: the thread is a daemon (a forgotten wrapper must not keep the process
-alive), and every live engine is stopped at interpreter exit. Without that,
-a script that ends right after a backward could abort ("terminate called
-without an active exception", SIGABRT): the thread, still inside
-Future.set_result in C++, tried to take the GIL back while the interpreter
-was finalizing and was unwound through a frame that cannot be.
+alive), and every live engine is stopped at interpreter exit: jobs not yet
+started fail at once, and the thread and any completion still being handed
+on from the backend's own thread (an asynchronous job's future) are waited
+for, 5 s for all engines together. Without that, a script that ends right
+after a backward could abort ("terminate called without an active
+exception", SIGABRT): a thread still inside Future.set_result in C++ tried
+to take the GIL back while the interpreter was finalizing, and was unwound
+through a frame that cannot be. The backend's thread takes the GIL once more
+after our callback, to drop it; that last step is only given 20 ms.
 """
 import atexit
 import queue
 import threading
+import time
 import weakref
 
 import torch
@@ -42,6 +47,8 @@ class CommEngine:
         self.timeline = timeline  # records each job's span, see timeline.py
         self._jobs = queue.SimpleQueue()
         self._error = None
+        self._handing_on = 0  # backend futures whose result is not passed on yet
+        self._handed_on = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
         _live.add(self)
@@ -62,10 +69,20 @@ class CommEngine:
         return fut
 
     def close(self, timeout=5.0):
-        """Stop the thread after the queued jobs; safe to call more than once."""
+        """Stop the thread after the queued jobs, and wait for the results still
+        being passed on; safe to call more than once."""
+        deadline = time.monotonic() + timeout
         if self._thread.is_alive():
             self._jobs.put(_STOP)
             self._thread.join(timeout)
+        with self._handed_on:
+            self._handed_on.wait_for(lambda: self._handing_on == 0,
+                                     max(0.0, deadline - time.monotonic()))
+
+    def stop_new_jobs(self, reason):
+        """Fail the jobs not started yet (and later ones) with `reason`."""
+        if self._error is None:
+            self._error = RuntimeError(reason)
 
     def _loop(self):
         while True:
@@ -93,6 +110,8 @@ class CommEngine:
             return
         # Backend work returns torch._C.Future, the base of torch.futures.Future.
         if isinstance(result, torch._C.Future):
+            with self._handed_on:
+                self._handing_on += 1
             result.add_done_callback(
                 lambda done, fut=fut, job=(job, label, start): self._forward(done, fut, job))
         else:
@@ -100,14 +119,20 @@ class CommEngine:
             fut.set_result(result)
 
     def _forward(self, done, fut, job):
+        # Runs on the backend's thread once its work is done.
         try:
-            value = done.value()
-        except Exception as e:  # noqa: BLE001 - the backend's error, passed on
-            self._error = e
-            fut.set_exception(e)
-            return
-        self._record(*job)
-        fut.set_result(value)
+            try:
+                value = done.value()
+            except Exception as e:  # noqa: BLE001 - the backend's error, passed on
+                self._error = e
+                fut.set_exception(e)
+                return
+            self._record(*job)
+            fut.set_result(value)
+        finally:
+            with self._handed_on:
+                self._handing_on -= 1
+                self._handed_on.notify_all()
 
     def _record(self, job, label, start):
         if self.timeline is not None:
@@ -116,8 +141,17 @@ class CommEngine:
 
 
 @atexit.register
-def _stop_all():
+def _stop_all(timeout=5.0):
     # atexit runs before finalization: each thread can still take the GIL,
     # finish the job it is in and leave its loop.
-    for engine in list(_live):
-        engine.close()
+    engines = list(_live)
+    for engine in engines:
+        engine.stop_new_jobs("minddp: the interpreter is exiting")
+    deadline = time.monotonic() + timeout
+    for engine in engines:
+        engine.close(max(0.0, deadline - time.monotonic()))
+    if engines:
+        # After a backend future's callbacks have run, its thread still takes
+        # the GIL to drop its references to them (torch's PythonFunctionGuard):
+        # let go of the GIL briefly so that happens before finalization.
+        time.sleep(0.02)
