@@ -52,9 +52,14 @@ def median(values):
     return statistics.median(values) if values else float("nan")
 
 
+def step_ratios(a, b):
+    """a[i] / b[i] for each step (b[i] > 0): pairs timed side by side."""
+    return [x / y for x, y in zip(a, b) if y > 0]
+
+
 def pairwise_ratio(a, b):
     """Median over steps of a[i] / b[i]: fair when a and b were timed interleaved."""
-    return median([x / y for x, y in zip(a, b) if y > 0])
+    return median(step_ratios(a, b))
 
 
 def median_interval(values, confidence=0.95):
@@ -79,16 +84,20 @@ def median_interval(values, confidence=0.95):
     return xs[k - 1], xs[n - k]
 
 
-def pairwise_ratio_interval(a, b, confidence=0.95):
-    """median_interval of the per-step ratios a[i] / b[i] that pairwise_ratio takes the median
-    of, as [low, high] (JSON-ready); None when there are too few pairs for one."""
-    low, high = median_interval([x / y for x, y in zip(a, b) if y > 0], confidence)
+def interval_or_none(values, confidence=0.95):
+    """median_interval as [low, high] (JSON-ready); None when there are too few values."""
+    low, high = median_interval(values, confidence)
     return None if low != low else [low, high]
 
 
-def format_interval(bounds):
+def pairwise_ratio_interval(a, b, confidence=0.95):
+    """The interval of the per-step ratios a[i] / b[i] that pairwise_ratio takes the median of."""
+    return interval_or_none(step_ratios(a, b), confidence)
+
+
+def format_interval(bounds, digits=2):
     """[low, high] as "0.97-1.02" for a table cell; None (too few pairs) as a blank "-"."""
-    return None if bounds is None else f"{bounds[0]:.2f}-{bounds[1]:.2f}"
+    return None if bounds is None else f"{bounds[0]:.{digits}f}-{bounds[1]:.{digits}f}"
 
 
 def pairwise_difference(a, b):

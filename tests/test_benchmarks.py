@@ -121,3 +121,43 @@ def test_median_interval_takes_the_binomial_order_statistics():
     assert measure.pairwise_ratio_interval([2.0] * 10, [1.0] * 10) == [2.0, 2.0]
     assert measure.pairwise_ratio_interval([2.0] * 5, [1.0] * 5) is None  # too few for 95%
     assert measure.format_interval([0.9712, 1.0049]) == "0.97-1.00"
+    assert measure.format_interval([0.9712, 1.0049], digits=3) == "0.971-1.005"
+
+
+def _compare_json(path, steps):
+    """A compare.json with one workload; steps: {config: [ms per step]}."""
+    rows = [{"workload": "transformer", "name": name, "absent": None, "steps_ms": ms}
+            for name, ms in steps.items()]
+    rows.append({"workload": "transformer", "name": "minddp_tree", "absent": "not implemented"})
+    path.write_text(json.dumps({"rows": rows}))
+    return str(path)
+
+
+def test_pool_pairs_steps_within_each_run(tmp_path):
+    import pool
+    # Run a is slow throughout. Within each run the ring is 0.9x torch DDP on
+    # every step; pairing across runs (a's ring with b's torch) would give 1.8
+    # or 0.45, and a ratio of medians of the pooled times gives auto 0.95, not 1.
+    a = _compare_json(tmp_path / "a.json", {"torch_ddp": [200.0] * 4, "minddp_ring": [180.0] * 4,
+                                            "minddp_auto": [210.0, 220.0, 190.0, 200.0]})
+    b = _compare_json(tmp_path / "b.json", {"torch_ddp": [100.0] * 3, "minddp_ring": [90.0] * 3,
+                                            "minddp_auto": [95.0, 105.0, 100.0]})
+    rows = {r["name"]: r for r in pool.main([a, b])}
+    assert set(rows) == {"minddp_ring", "minddp_auto"}  # not torch_ddp, not the absent row
+    ring = rows["minddp_ring"]
+    assert ring["steps"] == 7 and abs(ring["ratio"] - 0.9) < 1e-12
+    assert ring["runs"] == "0.900 0.900" and ring["under_1"] == "2 of 2"
+    assert ring["interval"] == [0.9, 0.9]  # 7 ratios: enough for a 95% interval
+    auto = rows["minddp_auto"]  # ratios 1.05 1.1 0.95 1.0 | 0.95 1.05 1.0
+    assert abs(auto["ratio"] - 1.0) < 1e-12 and auto["runs"] == "1.025 1.000"
+    assert auto["under_1"] == "0 of 2"
+
+
+def test_pool_refuses_a_run_without_torch_ddp(tmp_path):
+    import pytest
+
+    import pool
+    a = _compare_json(tmp_path / "a.json", {"torch_ddp": [1.0], "minddp_ring": [1.0]})
+    b = _compare_json(tmp_path / "b.json", {"minddp_ring": [1.0]})
+    with pytest.raises(SystemExit, match="b.json has no torch_ddp row for transformer"):
+        pool.main([a, b])

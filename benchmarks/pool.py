@@ -1,0 +1,83 @@
+"""Several compare.py runs read as one sample: each row's ratio to torch_ddp, pooled.
+
+    python benchmarks/pool.py results/a/compare.json results/b/compare.json ...
+
+One run of compare.py pins a ratio down to about 1% (its 95% interval), and
+from run to run the median itself moves by about as much: the machine's state
+(which core a rank lands on, what else runs) changes between runs more than
+between steps. Where two configurations are within 1% of each other, no single
+run can tell which is faster. Pooling runs taken at different times samples
+that too. A step is still compared only with torch_ddp's step of the same run
+and the same index (they were timed side by side); the per-step ratios of all
+runs then give one median and one distribution-free 95% interval
+(measure.median_interval). That interval takes the steps as independent
+draws; where the runs disagree with one another by more than their own
+intervals allow, it is too narrow, and the column of per-run ratios shows it.
+The runs under 1 are counted too: runs are independent of one another, so
+that count is a sign test that needs no assumption about steps (all of 5 runs
+on one side of 1 happens by chance 1 time in 16 when neither side is faster).
+
+Prints, per workload and configuration: each run's ratio, the pooled ratio, its
+interval, how many runs are under 1 and the number of steps pooled.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure import (format_interval, format_table, interval_or_none, median,  # noqa: E402
+                     step_ratios)
+
+COLUMNS = [("workload", "workload", "{}"), ("name", "config", "{}"),
+           ("runs", "each run", "{}"), ("ratio", "pooled vs torch_ddp", "{:.3f}"),
+           ("interval", "pooled 95%", "{}"), ("under_1", "runs under 1", "{}"),
+           ("steps", "steps", "{}")]
+
+
+def run_ratios(rows, workload, name, source):
+    """Per-step ratios of one configuration to torch_ddp within one run's rows."""
+    by_name = {r["name"]: r for r in rows if r["workload"] == workload and not r.get("absent")}
+    if "torch_ddp" not in by_name:
+        raise SystemExit(f"pool.py: {source} has no torch_ddp row for {workload}: run compare.py "
+                         f"with torch_ddp among --configs, the rows are ratios to it")
+    return step_ratios(by_name[name]["steps_ms"], by_name["torch_ddp"]["steps_ms"])
+
+
+def pool(runs):
+    """runs: [(source, rows)], rows as compare.json holds them. Returns one row per
+    (workload, configuration) present in every run, torch_ddp itself left out."""
+    def present(rows):
+        return {(r["workload"], r["name"]) for r in rows if not r.get("absent")}
+    keys = set.intersection(*(present(rows) for _, rows in runs))
+    order = [(r["workload"], r["name"]) for r in runs[0][1]]
+    pooled = []
+    for workload, name in (k for k in order if k in keys and k[1] != "torch_ddp"):
+        each = [run_ratios(rows, workload, name, source) for source, rows in runs]
+        ratios = [x for run in each for x in run]
+        medians = [median(run) for run in each]
+        pooled.append({"workload": workload, "name": name,
+                       "runs": " ".join(f"{m:.3f}" for m in medians),
+                       "under_1": f"{sum(m < 1 for m in medians)} of {len(medians)}",
+                       "ratio": median(ratios), "interval": interval_or_none(ratios),
+                       "steps": len(ratios)})
+    return pooled
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("files", nargs="+", help="compare.json files, one per run")
+    args = p.parse_args(argv)
+    runs = []
+    for path in args.files:
+        with open(path) as f:
+            runs.append((path, json.load(f)["rows"]))
+    rows = pool(runs)
+    # Three digits: pooling is for ratios too close to 1 for a single run.
+    shown = [dict(r, interval=format_interval(r["interval"], digits=3)) for r in rows]
+    print(format_table(shown, COLUMNS))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
