@@ -446,6 +446,28 @@ def test_auto_times_the_candidates_and_drops_a_slow_one():
         assert timed_pick != "tree" and again == timed_pick
 
 
+def _timing_order(rank, world_size):
+    costs = cost_model.Costs(alpha=1e-4, hop=1e-6, beta=1e-9, gamma=1e-10,
+                             native_alpha=1e-4, native_beta=1e-9)
+    chooser = auto.Chooser(dist.group.WORLD, costs=costs)
+    calls = []
+    chooser._run = lambda name, tensor: calls.append(name)
+    chooser.pick(torch.ones(1024))
+    return calls, chooser.names
+
+
+def test_auto_times_the_candidates_in_a_fresh_order_each_round():
+    (calls, names), (other, _) = run_world(_timing_order, 2)
+    # Every rank runs them in the same order: each call is a collective.
+    assert calls == other
+    rounds = [calls[i:i + len(names)] for i in range(0, len(calls), len(names))]
+    assert len(rounds) > auto.MIN_ROUNDS and all(sorted(r) == sorted(names) for r in rounds)
+    # No candidate always runs right after the same other one (what ran
+    # before can slow a call down: a full socket buffer, a cold cache).
+    before = {n: {r[r.index(n) - 1] for r in rounds if r.index(n) > 0} for n in names}
+    assert all(len(b) > 1 for b in before.values()), before
+
+
 def _measure_through_spells(rank, world_size, spells):
     # Fake timings: the first `spells` attempts see small messages as slow as
     # large ones (a busy spell), later ones see a sane link.

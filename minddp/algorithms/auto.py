@@ -8,18 +8,21 @@ differ by their step counts, but on a busy or oversubscribed machine its line
 can be 30% off where they are close, and 10% is the difference that matters.
 So the first time a bucket size comes up (the wrapper announces its buckets at
 start-up) the candidates are also timed on that size: interleaved rounds after
-barriers (8 to 50, about 0.4 s by the model's account), the slowest rank's
-time per round agreed across ranks. The winner is the candidate whose time is
-the lowest multiple of each round's best, in the median over rounds. That
-costs a few all-reduces of each candidate once per size (about 1 s for a 25
-MiB bucket on 2 CPU ranks; candidates predicted over 3x slower are skipped)
-and makes every rank pick the same algorithm. In the wrapper, native is timed
+barriers (24 to 50, at least 0.4 s by the model's account), the candidates
+in a fresh order each round, the slowest rank's time per round agreed across
+ranks. The winner is the candidate whose time is the lowest multiple of each
+round's best, in the median over rounds. That costs a few dozen all-reduces
+of each candidate once per size (about 1.2 s for a 25 MiB bucket on 2 CPU
+ranks; candidates predicted over 3x slower are skipped; 2.2 s in all for the
+benchmark's transformer, 2.8 s for its MLP) and makes every rank pick the
+same algorithm. In the wrapper, native is timed
 with one more copy: that of the bucket's gradients our algorithms reduce in
 place (reducer.py), which native's result has to be copied back into. Each
 choice is logged once at debug level (logger "minddp.algorithms") with the
 predicted and measured times.
 """
 import logging
+import random
 import time
 
 import torch
@@ -108,11 +111,14 @@ class Chooser:
         copy_to = torch.empty(copied, dtype=dtype, device=device)
         # Rounds: as many as fit in ~0.4 s by the model's account, MIN_ROUNDS
         # to 50. Small buckets take well under a millisecond, about as long as
-        # the machine's hiccups, so they get the most rounds.
+        # the machine's hiccups, so they get the most rounds. A fresh order
+        # each round (the same on every rank): what ran just before can slow
+        # a call (a socket buffer still full, a cold cache), and a fixed
+        # rotation would give each candidate the same predecessor every time.
         rounds = max(MIN_ROUNDS, min(50, int(0.4 / max(predicted_round, 1e-9))))
         times = torch.zeros(len(names), rounds, dtype=torch.float64)
         for r in range(rounds + 1):  # round 0 warms up: connections, buffers
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = random.Random(r).sample(names, len(names))
             for name in order:
                 dist.barrier(group=self.group)
                 start = time.perf_counter()
@@ -149,7 +155,14 @@ def _kind_of(tensor):
 # same (10.1 ms against 9.7-10.5, collectives.py --cpu), and the bias kept
 # gloo where the ring was 10-15% faster: auto ran 1.12-1.18x the best at 16
 # and 25 MiB.
-MIN_ROUNDS = 8
+# Fewer rounds than 24 made large sizes a coin toss: 8 rounds (all that
+# 0.4 s allows at 25 MiB on 2 CPU ranks) picked halving-doubling or native in
+# 7 of 10 fresh choosers there, where the ring was 6% and 15-30% faster
+# (collectives.py), and with a fixed rotation of the order halving-doubling 3
+# times in 10 at 4 MiB (10% slower). With 24 and a fresh order: the ring 9
+# times in 10 at 1 and 4 MiB, 8 at 16 and 25 MiB, 9 at 64 MiB; the rest
+# halving-doubling, which on 2 ranks is the same exchange unpipelined.
+MIN_ROUNDS = 24
 
 
 def _relative(times, names):
