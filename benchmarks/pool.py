@@ -35,25 +35,26 @@ COLUMNS = [("workload", "workload", "{}"), ("name", "config", "{}"),
            ("steps", "steps", "{}")]
 
 
-def run_ratios(rows, workload, name, source):
-    """Per-step ratios of one configuration to torch_ddp within one run's rows."""
-    by_name = {r["name"]: r for r in rows if r["workload"] == workload and not r.get("absent")}
-    if "torch_ddp" not in by_name:
-        raise SystemExit(f"pool.py: {source} has no torch_ddp row for {workload}: run compare.py "
-                         f"with torch_ddp among --configs, the rows are ratios to it")
-    return step_ratios(by_name[name]["steps_ms"], by_name["torch_ddp"]["steps_ms"])
+def steps_by_row(rows):
+    """{(workload, configuration): per-step ms} of one run's rows, absent ones left out."""
+    return {(r["workload"], r["name"]): r["steps_ms"] for r in rows if not r.get("absent")}
 
 
 def pool(runs):
     """runs: [(source, rows)], rows as compare.json holds them. Returns one row per
     (workload, configuration) present in every run, torch_ddp itself left out."""
-    def present(rows):
-        return {(r["workload"], r["name"]) for r in rows if not r.get("absent")}
-    keys = set.intersection(*(present(rows) for _, rows in runs))
+    indexed = [(source, steps_by_row(rows)) for source, rows in runs]
+    keys = set.intersection(*(set(steps) for _, steps in indexed))
     order = [(r["workload"], r["name"]) for r in runs[0][1]]
     pooled = []
     for workload, name in (k for k in order if k in keys and k[1] != "torch_ddp"):
-        each = [run_ratios(rows, workload, name, source) for source, rows in runs]
+        each = []
+        for source, steps in indexed:
+            if (workload, "torch_ddp") not in steps:
+                raise SystemExit(f"pool.py: {source} has no torch_ddp row for {workload}: run "
+                                 f"compare.py with torch_ddp among --configs, the rows are "
+                                 f"ratios to it")
+            each.append(step_ratios(steps[workload, name], steps[workload, "torch_ddp"]))
         ratios = [x for run in each for x in run]
         medians = [median(run) for run in each]
         pooled.append({"workload": workload, "name": name,

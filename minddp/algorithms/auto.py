@@ -144,17 +144,6 @@ def _kind_of(tensor):
     return first.dtype, first.device
 
 
-# No side is favoured beyond the order of CANDIDATES on an exact tie, which
-# is not rare: a candidate's ratio is exactly 1 in each round it wins, and
-# torch.median takes the lower middle of an even count, so two candidates
-# that each win half the rounds both score 1 and the first listed is kept.
-# The backend's all-reduce used to keep a size unless beaten by 5%, and by
-# 15% or in 3 rounds of 4: it runs off the Python thread, and took less CPU
-# per call (25 MiB on 2 CPU ranks: 16 ms for gloo's ring, 18-21 ms for ours).
-# Since lanes and the early all-gather receives (p2p.py) ours takes about the
-# same (10.1 ms against 9.7-10.5, collectives.py --cpu), and the bias kept
-# gloo where the ring was 10-15% faster: auto ran 1.12-1.18x the best at 16
-# and 25 MiB.
 # Fewer rounds than 24 made large sizes a coin toss: 8 rounds (all that
 # 0.4 s allows at 25 MiB on 2 CPU ranks) picked halving-doubling or native in
 # 7 of 10 fresh choosers there, where the ring was 6% and 15-30% faster
@@ -176,6 +165,17 @@ def _relative(times, names):
     return {n: ratios[i].median().item() for i, n in enumerate(names)}
 
 
+# No side is favoured beyond the order of CANDIDATES on an exact tie, which
+# is not rare: a candidate's ratio is exactly 1 in each round it wins, and
+# torch.median takes the lower middle of an even count, so two candidates
+# that each win half the rounds both score 1 and the first listed is kept.
+# The backend's all-reduce used to keep a size unless beaten by 5%, and by
+# 15% or in 3 rounds of 4: it runs off the Python thread, and took less CPU
+# per call (25 MiB on 2 CPU ranks: 16 ms for gloo's ring, 18-21 ms for ours).
+# Since lanes and the early all-gather receives (p2p.py) ours takes about the
+# same (10.1 ms against 9.7-10.5, collectives.py --cpu), and the bias kept
+# gloo where the ring was 10-15% faster: auto ran 1.12-1.18x the best at 16
+# and 25 MiB.
 def _fastest(times, names):
     """The winner of `times` (candidates x rounds): the lowest `_relative` score,
     the first in `names` on a tie."""
