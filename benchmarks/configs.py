@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp
 from minddp import buckets
+from minddp.grad_bucket import GradBucket
 
 # name -> how to build it: ("bare",), ("torch", hook) or ("minddp", algorithm, compression)
 CONFIGS = {
@@ -47,7 +48,7 @@ def bytes_sent_per_rank(bucket_bytes, world_size, wire_ratio=1.0):
 
 def _bucket_bytes(model, cap_mb):
     params = [p for p in model.parameters() if p.requires_grad]
-    layout = buckets.assign(params, int(cap_mb * 2**20))
+    layout = buckets.assign(params, buckets.caps(int(cap_mb * 2**20)))
     return [sum(params[i].numel() * params[i].element_size() for i in b) for b in layout]
 
 
@@ -66,6 +67,20 @@ def _torch_communicate(bucket_bytes, device, hook):
             work.wait()
             if wire is not flat:
                 flat.copy_(wire)
+    return communicate
+
+
+def _minddp_communicate(ddp):
+    """What minddp's reduction costs alone: every bucket's current contents through
+    the wrapper's own seam (reducer.reduction), in order, waited for; .grad untouched."""
+    reducer = ddp.reducer
+
+    def communicate():
+        last = len(reducer.buckets) - 1
+        futures = [reducer.reduction.launch(GradBucket(bucket, bucket.index == last))
+                   for bucket in reducer.buckets]
+        for future in futures:
+            future.wait()
     return communicate
 
 
@@ -101,7 +116,7 @@ def build_configs(workload, names, device, cap_mb, timeline=None):
                 config.absent = f"{algorithm}/{compression or 'fp32'}: not implemented"
                 configs.append(config)
                 continue
-            config.communicate = config.model.reducer.communicate_only
+            config.communicate = _minddp_communicate(config.model)
             config.bytes_sent = bytes_sent_per_rank(sizes, world, 0.5 if compression else 1.0)
         config.optimizer = torch.optim.SGD(config.model.parameters(), lr=1e-3)
         configs.append(config)

@@ -1,13 +1,18 @@
-"""The communication engine: one background thread that runs all-reduces in order.
+"""The communication engine: one background thread per gradient process group.
 
 Why a thread: algorithms written on point-to-point send/recv are Python loops
 that block; running them here lets backward go on computing while buckets
-travel. Why one thread: buckets must be reduced in the same order on every
-rank, and a single FIFO consumer makes that order the submission order.
+travel. Why one thread per group: buckets must be reduced in the same order on
+every rank, and a single FIFO consumer makes that order the submission order.
 
-The engine owns a process group of its own (`dist.new_group` over the same
-ranks), so the user's collectives on the default group never interleave with
-gradient traffic.
+`engine_for(group)` gives every wrapper over the same ranks the same engine
+and the same gradient group (`dist.new_group` over those ranks, so the user's
+collectives on their own group never interleave with gradient traffic). Two
+wrappers on one group share its FIFO, as torch's DDPs share their process
+group; re-wrapping a model or unpickling a wrapper needs no new group.
+
+Futures carry the device of the tensor they return: on CUDA the consumer's
+stream waits for the communication before it reads the result.
 
 Errors: an exception inside a job is set on that job's future (the training
 process sees it when it waits, at the latest at the end of backward) and
@@ -15,58 +20,90 @@ poisons the engine, so later jobs fail at once instead of waiting for peers
 that have moved on.
 
 Exit: the thread is a daemon (a forgotten wrapper must not keep the process
-alive), and every live engine is stopped at interpreter exit: jobs not yet
-started fail at once, and the thread and any completion still being handed
-on from the backend's own thread (an asynchronous job's future) are waited
-for, 5 s for all engines together. Without that, a script that ends right
-after a backward could abort ("terminate called without an active
-exception", SIGABRT): a thread still inside Future.set_result in C++ tried
-to take the GIL back while the interpreter was finalizing, and was unwound
-through a frame that cannot be. The backend's thread takes the GIL once more
-after our callback, to drop it; that last step is only given 20 ms.
+alive), and every engine is stopped at interpreter exit: jobs not yet started
+fail at once, and the thread and any completion still being handed on from
+the backend's own thread are waited for, 5 s for all engines together. A
+thread still inside Future.set_result while the interpreter finalizes would
+abort the process ("terminate called without an active exception"). The
+backend's thread takes the GIL once more after our callback, to drop its
+references to it; that last step is given 20 ms.
 """
 import atexit
+import datetime
 import queue
 import threading
 import time
-import weakref
 
 import torch
+import torch.distributed as dist
 
+from minddp.algorithms import lanes
+from minddp.devices import group_device
 from minddp.timeline import now_us, profiled
 
 _STOP = object()
-_live = weakref.WeakSet()  # engines whose thread may still run, stopped at exit
+_engines = {}  # (ranks, backend, timeout) -> CommEngine, for the life of the process
+
+
+def engine_for(group, timeout=None):
+    """The engine (and gradient group) for `group`'s ranks, made on first use.
+
+    The first call for a set of ranks is a collective over them (it creates
+    process groups): every rank of `group` makes it at the same point of its
+    program, from its main thread. Later calls find the same engine on every
+    rank. `timeout` (a timedelta, seconds, or None for `group`'s own) bounds
+    every wait on a peer.
+    """
+    timeout = timeout if timeout is not None else lanes.timeout_of(group)
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    ranks = tuple(dist.get_process_group_ranks(group))
+    key = (ranks, str(dist.get_backend(group)), timeout)
+    engine = _engines.get(key)
+    if engine is None or not engine.alive():
+        comm_group = dist.new_group(list(ranks), backend=dist.get_backend(group),
+                                    timeout=timeout,
+                                    use_local_synchronization=group is not dist.group.WORLD)
+        lanes.open_lanes(comm_group)  # here, never from the communication thread
+        engine = _engines[key] = CommEngine(comm_group, group_device(comm_group))
+    return engine
 
 
 class CommEngine:
     """Runs `job(*args)` callables on a background thread, in submission order."""
 
-    def __init__(self, group, name="minddp-comm", timeline=None):
+    def __init__(self, group, device, name="minddp-comm"):
         self.group = group
-        self.timeline = timeline  # records each job's span, see timeline.py
+        self.device = device  # what the group's collectives take: the thread works on it
         self._jobs = queue.SimpleQueue()
         self._error = None
         self._handing_on = 0  # backend futures whose result is not passed on yet
         self._handed_on = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
-        _live.add(self)
 
-    def submit(self, job, *args, label="job"):
+    def alive(self):
+        return self._thread.is_alive()
+
+    def submit(self, job, *args, label="job", device=None, timeline=None):
         """Queue `job(*args)`; return a Future of its result.
 
         A job may return a Future itself (an asynchronous backend operation);
-        the engine's future then completes when that one does. `label` names
-        the job in the timeline and in torch profiles.
+        the engine's future then completes when that one does. `device`: the
+        device of the result (a CUDA device makes the future stream-aware).
+        `label` names the job in `timeline` and in torch profiles.
         """
-        fut = torch.futures.Future()
+        devices = [device] if device is not None and device.type == "cuda" else None
+        fut = torch.futures.Future(devices=devices)
         if self._error is not None:
-            fut.set_exception(RuntimeError(f"minddp: communication engine stopped after an "
-                                           f"earlier error: {self._error}"))
+            fut.set_exception(self._stopped())
         else:
-            self._jobs.put((job, args, fut, label))
+            self._jobs.put((job, args, fut, label, timeline))
         return fut
+
+    def run(self, job, *args, label="job"):
+        """submit() and wait: for set-up work that must keep the group's order."""
+        return self.submit(job, *args, label=label).wait()
 
     def close(self, timeout=5.0):
         """Stop the thread after the queued jobs, and wait for the results still
@@ -84,21 +121,23 @@ class CommEngine:
         if self._error is None:
             self._error = RuntimeError(reason)
 
+    def _stopped(self):
+        return RuntimeError(f"minddp: communication engine stopped after an earlier error: "
+                            f"{self._error}")
+
     def _loop(self):
+        if self.device.type == "cuda":  # a new thread starts on cuda:0
+            torch.cuda.set_device(self.device)
         while True:
             item = self._jobs.get()
             if item is _STOP:
                 return
             self._run(*item)
-            # Drop the finished job's tensors now, not when the next one comes.
-            # The training thread may already be in the next backward by then:
-            # nothing held here may be a view of a .grad (buckets.Bucket.pieces).
-            del item
+            del item  # drop the finished job's tensors now, not when the next one comes
 
-    def _run(self, job, args, fut, label):
+    def _run(self, job, args, fut, label, timeline):
         if self._error is not None:
-            fut.set_exception(RuntimeError(f"minddp: communication engine stopped after an "
-                                           f"earlier error: {self._error}"))
+            fut.set_exception(self._stopped())
             return
         start = now_us()
         try:
@@ -113,13 +152,15 @@ class CommEngine:
             with self._handed_on:
                 self._handing_on += 1
             result.add_done_callback(
-                lambda done, fut=fut, job=(job, label, start): self._forward(done, fut, job))
+                lambda done, fut=fut, span=(timeline, label, start): self._forward(done, fut,
+                                                                                   span))
         else:
-            self._record(job, label, start)
+            _record(timeline, label, start)
             fut.set_result(result)
 
-    def _forward(self, done, fut, job):
-        # Runs on the backend's thread once its work is done.
+    def _forward(self, done, fut, span):
+        # Runs on the backend's thread once its work is done (on CUDA with its
+        # streams made current, so set_result records the right events).
         try:
             try:
                 value = done.value()
@@ -127,24 +168,24 @@ class CommEngine:
                 self._error = e
                 fut.set_exception(e)
                 return
-            self._record(*job)
+            _record(*span)
             fut.set_result(value)
         finally:
             with self._handed_on:
                 self._handing_on -= 1
                 self._handed_on.notify_all()
 
-    def _record(self, job, label, start):
-        if self.timeline is not None:
-            self.timeline.span(label, start, now_us(), thread="comm",
-                               job=f"{getattr(job, '__module__', '')}.{job.__name__}")
+
+def _record(timeline, label, start):
+    if timeline is not None:
+        timeline.span(label, start, now_us(), thread="comm")
 
 
 @atexit.register
 def _stop_all(timeout=5.0):
     # atexit runs before finalization: each thread can still take the GIL,
     # finish the job it is in and leave its loop.
-    engines = list(_live)
+    engines = list(_engines.values())
     for engine in engines:
         engine.stop_new_jobs("minddp: the interpreter is exiting")
     deadline = time.monotonic() + timeout

@@ -131,22 +131,6 @@ def _is_native(algorithm):
     return algorithms.resolve(algorithm) is algorithms.ALGORITHMS["native"]
 
 
-def all_reduce_job(algorithm, group, compression):
-    """The wrapper's per-bucket `job(bucket, group)` for `algorithm` with compression.
-
-    Every rank of `group` must call it at the same time ("auto" measures the
-    links). The backend's native all-reduce cannot decode per hop, so it gets
-    compress -> 16-bit sum -> decompress (`native_all_reduce`); every other
-    algorithm runs through `algorithms.planner` with the codec on each hop.
-    """
-    from minddp import algorithms
-
-    codec = codec_for(compression)
-    if _is_native(algorithm):
-        return lambda bucket, group: native_all_reduce(bucket, group, codec)
-    return algorithms.planner(algorithm, group, codec=codec)
-
-
 def all_reduce(tensor, algorithm="ring", group=None, compression="fp16"):
     """minddp.all_reduce with compression: in-place sum of `tensor` over `group`, sent as 16 bits.
 

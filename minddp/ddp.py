@@ -1,236 +1,448 @@
 """The wrapper: minddp.DistributedDataParallel, a drop-in for torch's.
 
 Construction checks the model and the settings on every rank, broadcasts rank
-0's parameters and buffers, opens a process group for gradient traffic and
-hands the parameters to a Reducer (reducer.py), which does the real work.
+0's parameters and buffers, takes the communication engine of the group
+(comm.py) and hands the parameters to a Reducer (reducer.py), which reduces
+every bucket through one Reduction (reduction.py): minddp's algorithms, or a
+comm hook registered with `register_comm_hook`.
 """
 import contextlib
-import datetime
+import functools
+import inspect
+import itertools
+import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from minddp import algorithms
+from minddp import buckets as bucketing
+from minddp import comm
 from minddp import compression as compressing
-from minddp.algorithms import lanes
-from minddp.comm import CommEngine
+from minddp.algorithms import native
+from minddp.devices import group_device
+from minddp.grad_bucket import GradBucket
 from minddp.health import PeerProgress
 from minddp.join import Join
-from minddp.model_sync import broadcast_from_first, check_same_model
-from minddp.reducer import Reducer
+from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_model
+from minddp.reducer import Phase, Reducer
+from minddp.reduction import AlgorithmReduction, HookReduction
 from minddp.timeline import from_environment
 
 COMPRESSIONS = (None, "fp16", "bf16")
+# torch 2.13 renamed broadcast_buffers to forward_sync_buffers; older torch has
+# only the old name, and minddp follows the torch it runs on in its warnings.
+_TORCH_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(
+    nn.parallel.DistributedDataParallel.__init__).parameters
+_constructed = itertools.count()
 
 
 class DistributedDataParallel(nn.Module):
     """Data-parallel wrapper: after `loss.backward()` every `.grad` is the mean over ranks.
 
     Every rank of `process_group` (default: the world) must construct it with
-    the same model and arguments. Keywords mean what they mean in torch's DDP;
-    `algorithm` picks the all-reduce ("native" is the backend's own, "auto"
-    chooses), `compression` sends gradients as fp16/bf16. `in_place_mb`: our
-    own algorithms reduce gradients of at least this many MiB where they lie in
-    `.grad`, with no copy through the bucket (None: never; such a `.grad` holds
-    partial sums until backward returns, see reducer.py). `timeout` bounds the
-    wait for a peer (default: the process group's); `timeline` is a path prefix
-    for a Chrome trace of this rank's buckets (default: $MINDDP_TIMELINE).
+    the same model and arguments. torch's keywords mean what they mean in
+    torch's DDP (README lists the few minddp does not implement). minddp's
+    own, keyword-only: `algorithm` picks the all-reduce ("native" is the
+    backend's own, "auto" times the others at construction and picks per
+    bucket size), `compression` sends gradients as fp16/bf16, `timeout`
+    bounds every wait for a peer (default: the process group's), `timeline`
+    is a path prefix for a Chrome trace of this rank's buckets (default:
+    $MINDDP_TIMELINE).
     """
 
-    def __init__(self, module, device_ids=None, output_device=None, broadcast_buffers=True,
-                 process_group=None, bucket_cap_mb=25, find_unused_parameters=False,
-                 gradient_as_bucket_view=False, algorithm="auto", compression=None,
-                 in_place_mb=1, timeout=None, timeline=None):
+    def __init__(self, module, device_ids=None, output_device=None, dim=0,
+                 broadcast_buffers=None, init_sync=True, process_group=None, bucket_cap_mb=None,
+                 find_unused_parameters=False, check_reduction=False,
+                 gradient_as_bucket_view=False, static_graph=False,
+                 delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
+                 mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
+                 bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None,
+                 *, algorithm="auto", compression=None, timeout=None, timeline=None):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("minddp: the default process group is not initialised; call "
                                "torch.distributed.init_process_group() (torchrun sets the "
                                "environment for it) before wrapping the model.")
+        if process_group is not None and device_mesh is not None:
+            raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+        if device_mesh is not None:
+            if device_mesh.ndim != 1:
+                raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+            process_group = device_mesh.get_group(mesh_dim=0)
         group = process_group if process_group is not None else dist.group.WORLD
         rank = dist.get_rank(group)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._check_arguments(module, named, rank, device_ids, bucket_cap_mb, algorithm,
-                              compression, in_place_mb)
+        _refuse_unimplemented(rank, delay_all_reduce_named_params=delay_all_reduce_named_params,
+                              param_to_hook_all_reduce=param_to_hook_all_reduce,
+                              mixed_precision=mixed_precision)
+        # skip_all_reduce_unused_params and batched_grad_copy only make torch's
+        # DDP faster; minddp accepts them and gives the same gradients without.
+        if check_reduction:
+            warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module "
+                          "is deprecated. Please avoid using it.", FutureWarning, stacklevel=2)
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = self._trainable(module)
+        bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
+        _check_arguments(named, rank, device_ids, bucket_cap_mb, bucket_cap_mb_list, algorithm,
+                         compression)
+        self.forward_sync_buffers, sync_buffers_at_init = _buffer_sync(broadcast_buffers,
+                                                                      forward_sync_buffers)
         self.module = module
-        self.device_ids = device_ids
-        self.output_device = output_device
-        self.broadcast_buffers = broadcast_buffers
+        self.device = named[0][1].device
+        self.device_ids = None if device_ids is None or self.device.type == "cpu" else [
+            _index(d) for d in device_ids]
+        self.output_device = None if self.device_ids is None else _index(
+            output_device if output_device is not None else device_ids[0])
+        self.dim = dim
         self.process_group = group
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = False
         self.algorithm, self.compression = algorithm, compression
         self.require_backward_grad_sync = True
-        # torch broadcasts buffers only in a forward that follows a synced
-        # forward (its require_forward_param_sync); kept for exact parity.
-        self._sync_buffers_next = True
+        self.require_forward_param_sync = True
+        self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)
+        self.bucket_bytes_cap_list = [int(c * 1024 * 1024) for c in bucket_cap_mb_list or []]
         self._join = None  # the active join() context, if any
+        self._timeout = timeout
         self.world_size = dist.get_world_size(group)
-
+        self.timeline = from_environment(rank, timeline)
         settings = {"bucket_cap_mb": bucket_cap_mb, "algorithm": algorithm,
                     "compression": compression, "find_unused_parameters": find_unused_parameters,
                     "gradient_as_bucket_view": gradient_as_bucket_view,
-                    "broadcast_buffers": broadcast_buffers, "in_place_mb": in_place_mb}
-        self.comm_group = self._join_peers(module, named, settings, group, rank, timeout)
-        # A Chrome trace of this rank's buckets (timeline.py), if asked for.
-        self.timeline = from_environment(rank, timeline)
-        self.engine = CommEngine(self.comm_group, timeline=self.timeline)
-        # Per-bucket all-reduce; "auto" measures the links here (every rank at once).
-        if compression is None:
-            job = algorithms.planner(algorithm, self.comm_group)
-        else:
-            job = compressing.all_reduce_job(algorithm, self.comm_group, compression)
-        used_job = algorithms.ALGORITHMS["native"].all_reduce_async
-        self.reducer = Reducer(
-            named, world_size=self.world_size, rank=rank,
-            bucket_cap_bytes=int(bucket_cap_mb * 1024 * 1024),
-            reduce=lambda buffer, label: self.engine.submit(job, buffer, self.comm_group,
-                                                            label=label),
-            reduce_used=lambda used, label: self.engine.submit(used_job, used, self.comm_group,
-                                                               label=label),
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view, describe=f"algorithm {algorithm!r}",
-            in_place_bytes=None if in_place_mb is None else int(in_place_mb * 1024 * 1024),
-            takes_pieces=getattr(job, "takes_pieces", None),
-            timeline=self.timeline,
-            progress=PeerProgress(group, self.comm_group) if self.world_size > 1 else None)
-        if getattr(job, "chooser", None) is not None:
-            # auto: time the candidates on each bucket size now, every rank
-            # at once, rather than inside the first backward.
-            # Native would copy in-place gradients back from the bucket: timed too.
-            job.chooser.tune([bucket.buffer for bucket in self.reducer.buckets],
-                             copied=[bucket.large_bytes for bucket in self.reducer.buckets])
+                    "static_graph": static_graph, "forward_sync_buffers": self.forward_sync_buffers}
+        self._join_peers(named, settings, rank, init_sync, sync_buffers_at_init)
+        # Names this wrapper's entries in the store (health.py): constructions
+        # are collective, so the count is the same on every rank.
+        self._member = next(_constructed)
+        self._build_reducer(named, static_graph)
+        self.reducer.reduction.setup([bucket.buffer for bucket in self.reducer.buckets])
+        if static_graph:
+            self._set_static_graph()
 
-    @staticmethod
-    def _join_peers(module, named, settings, group, rank, timeout):
-        """Agree on the model, take rank 0's weights, open the gradient process group.
+    # -- construction ------------------------------------------------------------
+    def _trainable(self, module):
+        """(name, parameter) of every parameter minddp reduces, in registration order."""
+        return [(n, p) for n, p in module.named_parameters()
+                if p.requires_grad and n not in self.parameters_to_ignore]
 
-        Every rank of `group` must call it; a peer that dies or never arrives
+    def _join_peers(self, named, settings, rank, init_sync, sync_buffers):
+        """Agree on the model, take rank 0's weights, find the gradient group's engine.
+
+        Every rank of the group must call it; a peer that dies or never arrives
         turns into an error here (within the group's timeout), not a hang.
         """
-        timeout = timeout if timeout is not None else lanes.timeout_of(group)
-        if isinstance(timeout, (int, float)):
-            timeout = datetime.timedelta(seconds=timeout)
         try:
-            check_same_model(named, settings, group)
-            broadcast_from_first([p.data for _, p in module.named_parameters()] +
-                                 list(module.buffers()), group)
-            comm_group = dist.new_group(dist.get_process_group_ranks(group),
-                                        backend=dist.get_backend(group), timeout=timeout,
-                                        use_local_synchronization=group is not dist.group.WORLD)
-            lanes.open_lanes(comm_group)  # here, not on first use in the comm thread
-            return comm_group
-        except ValueError:
-            raise  # a mismatch, already explained
+            if init_sync:
+                check_same_model(named, settings, self.process_group)
+                broadcast_from_first([p.data for p in self._parameters_to_sync()] +
+                                     (self._buffers_to_sync() if sync_buffers else []),
+                                     self.process_group)
+            self.engine = comm.engine_for(self.process_group, self._timeout)
+        except ModelMismatch:
+            raise
         except Exception as e:
             raise RuntimeError(
                 f"minddp (rank {rank}): start-up agreement with the other ranks failed: a peer "
                 f"died or did not construct the wrapper within the process group's timeout. "
                 f"Cause: {str(e).splitlines()[0]}") from e
 
+    def _build_reducer(self, named, static_graph):
+        """The buckets, the reduction and the reducer (construction and unpickling)."""
+        group = self.engine.group
+        rank = dist.get_rank(self.process_group)
+        limits = self.bucket_bytes_cap_list or bucketing.caps(self.bucket_bytes_cap)
+        buckets = bucketing.build([p for _, p in named], limits)
+        codec = None if self.compression is None else compressing.codec_for(self.compression)
+        job = algorithms.planner(self.algorithm, group, codec)
+        reduction = AlgorithmReduction(self.engine, job, f"algorithm {self.algorithm!r}",
+                                       self.timeline)
+        device = group_device(group)
+        count_used = functools.partial(_sum_on_engine, self.engine, device, "used-map")
+        sum_step = functools.partial(_sum_on_engine, self.engine, device, "step")
+        progress = (PeerProgress(self.process_group, f"{group.group_name}/{self._member}")
+                    if self.world_size > 1 else None)
+        self.reducer = Reducer(
+            named, buckets, reduction, rank=rank,
+            find_unused_parameters=self.find_unused_parameters,
+            gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=static_graph,
+            count_used=count_used, sum_step=sum_step if self.world_size > 1 else None,
+            timeline=self.timeline, progress=progress)
+
+    def _parameters_to_sync(self):
+        return [p for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+
+    def _buffers_to_sync(self):
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
     @staticmethod
-    def _check_arguments(module, named, rank, device_ids, bucket_cap_mb, algorithm, compression,
-                         in_place_mb):
-        where = f"minddp (rank {rank})"
-        if not named:
-            raise ValueError(f"{where}: the module has no parameter that requires grad, so "
-                             f"there is nothing to synchronise; wrap a trainable module.")
-        devices = {p.device for _, p in named}
-        if len(devices) > 1:
-            placed = ", ".join(f"{n} on {p.device}" for n, p in named[:4])
-            raise ValueError(f"{where}: parameters live on several devices ({placed}, ...); "
-                             f"move the whole module to one device before wrapping it.")
-        device = devices.pop()
-        if device.type == "meta":
-            raise ValueError(f"{where}: the module is on the meta device; materialise it "
-                             f"(module.to_empty(device=...)) and initialise it first.")
-        if device_ids is not None and (device.type == "cpu" or len(device_ids) != 1 or
-                                       torch.device(device.type, device.index) !=
-                                       torch.device(device.type, _index(device_ids[0]))):
-            raise ValueError(f"{where}: device_ids={device_ids!r} does not match the module's "
-                             f"device {device}; pass device_ids=None for CPU modules, or "
-                             f"[the single GPU the module is on].")
-        if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
-            raise ValueError(f"{where}: bucket_cap_mb must be a positive number of MiB, "
-                             f"got {bucket_cap_mb!r}.")
-        if in_place_mb is not None and (not isinstance(in_place_mb, (int, float)) or
-                                        in_place_mb < 0):
-            raise ValueError(f"{where}: in_place_mb must be a number of MiB >= 0, or None to "
-                             f"copy every gradient through its bucket; got {in_place_mb!r}.")
-        if algorithm not in algorithms.CHOICES:
-            raise ValueError(f"{where}: unknown algorithm {algorithm!r}; choose one of "
-                             f"{list(algorithms.CHOICES)}.")
-        algorithms.resolve(algorithm)  # raises, naming the choices, for an unknown name
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"{where}: unknown compression {compression!r}; choose one of "
-                             f"{list(COMPRESSIONS)}.")
+    def _set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore):
+        """torch's way to keep parameters and buffers (by qualified name) out of
+        synchronisation: set on the module before wrapping it."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if name in params_and_buffers_to_ignore:
+                tensor._ddp_ignored = True  # read by other torch.distributed parts
+
+    def _set_static_graph(self):
+        """torch's private switch, also set by static_graph=True: the graph is the
+        same every iteration (see reducer.py)."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.",
+                          stacklevel=2)
+            return
+        self.static_graph = True
+        self.reducer.static_graph = True
+        self.reducer.find_unused = False
+        if self.find_unused_parameters:
+            warnings.warn("You passed find_unused_parameters=true to DistributedDataParallel, "
+                          "`_set_static_graph` will detect unused parameters automatically, "
+                          "so you do not need to set find_unused_parameters=true, just be sure "
+                          "these unused parameters will not change during training loop while "
+                          "calling `_set_static_graph`.", stacklevel=2)
 
     # -- forward -----------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
-        self.reducer.check_finished()
-        if self.device_ids:
-            inputs, kwargs = _to_device((inputs, kwargs), torch.device("cuda", _index(self.device_ids[0])))
-        self._check_parameters_unchanged()
-        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
-        buffers = (list(self.module.buffers()) if self.broadcast_buffers and
-                   self.world_size > 1 and self._sync_buffers_next else [])
-        source = 0
-        if self._join is not None:  # uneven inputs: tell the joined ranks what comes
-            source = self._join.before_forward(bool(buffers), synced)
-        if buffers:
-            broadcast_from_first(buffers, self.process_group, src=source)
-        outputs = self.module(*inputs, **kwargs)
-        if synced:
-            self.reducer.prepare(outputs)
-        elif torch.is_grad_enabled():
-            self.reducer.prepare_local()
-        self._sync_buffers_next = synced
-        return outputs
+        with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
+            grad_enabled = torch.is_grad_enabled()
+            if grad_enabled:
+                self.reducer.check_finished()
+            synced = grad_enabled and self.require_backward_grad_sync
+            sync_buffers = (self.require_forward_param_sync and self.forward_sync_buffers and
+                            self.world_size > 1)
+            buffers = self._buffers_to_sync() if sync_buffers else []
+            source, divisor = 0, self.world_size
+            if self._join is not None:  # uneven inputs: tell the joined ranks what comes
+                source, divisor = self._join.before_forward(bool(buffers), synced)
+            if buffers:
+                with torch.no_grad():
+                    broadcast_from_first(buffers, self.process_group, src=source)
+            if self.device_ids:
+                inputs, kwargs = _to_device((inputs, kwargs),
+                                            torch.device(self.device.type, self.device_ids[0]))
+            outputs = self.module(*inputs, **kwargs)
+            self.require_forward_param_sync = synced
+            if not synced:
+                return outputs
+            self.reducer.prepare_for_backward(outputs, divisor)
+            if self.reducer.find_unused or self.reducer.in_first_static_iteration:
+                outputs = _through_sink(outputs, weakref.ref(self.reducer))
+            return outputs
 
-    def _check_parameters_unchanged(self):
-        trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        if len(trainable) != len(self.reducer.params) or any(
-                p is not q for (_, p), q in zip(trainable, self.reducer.params)):
-            known = {id(p) for p in self.reducer.params}
-            added = [n for n, p in trainable if id(p) not in known] or ["(a parameter's "
-                                                                       "requires_grad changed)"]
-            raise RuntimeError(
-                f"minddp (rank {self.reducer.rank}): the module's trainable parameters changed "
-                f"after it was wrapped: {', '.join(added)}. minddp buckets parameters once, at "
-                f"construction; finish building (and freezing) the model, then wrap it.")
-
-    def join(self, divide_by_initial_world_size=True):
+    # -- the torch API around the reducer ---------------------------------------
+    def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
         """Context manager for uneven inputs: ranks that run out of batches keep
         matching the others' communication until every rank is done (join.py)."""
-        return Join(self, divide_by_initial_world_size)
+        if not enable:
+            return contextlib.nullcontext()
+        return Join(self, divide_by_initial_world_size, throw_on_early_termination)
 
     @contextlib.contextmanager
     def no_sync(self):
         """Inside, backward accumulates gradients locally; the next synced step reduces them."""
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
-        self.reducer.in_no_sync = True
         try:
             yield
         finally:
             self.require_backward_grad_sync = previous
-            self.reducer.in_no_sync = not previous
 
     def register_comm_hook(self, state, hook):
-        """Use `hook(state, bucket) -> Future[Tensor]` to reduce each bucket (torch's protocol).
+        """Reduce each bucket with `hook(state, bucket) -> Future[Tensor]` (torch's protocol).
 
         The bucket's buffer holds the local sum of gradients (not divided by
         the world size); the future's value must be the averaged buffer.
-        Must be called before the first backward, at most once.
+        At most once, and not during a backward pass.
         """
-        if not callable(hook):
-            raise TypeError(f"minddp: the comm hook must be callable, got {type(hook).__name__}")
-        self.reducer.set_comm_hook(state, hook)
+        _check_comm_hook(hook)
+        if isinstance(self.reducer.reduction, HookReduction):
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be "
+                               "called once.")
+        if self.reducer.phase is Phase.RUNNING:
+            raise RuntimeError("minddp: register_comm_hook cannot be called during a backward "
+                               "pass.")
+        self.reducer.reduction = HookReduction(state, hook)
+
+    @property
+    def broadcast_buffers(self):
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value):
+        self.forward_sync_buffers = value
+
+    def close(self):
+        """Remove this wrapper's gradient hooks (also done when it is garbage
+        collected): the model can then be wrapped again."""
+        reducer = self.__dict__.get("reducer")
+        if reducer is not None:
+            reducer.close()
+
+    _remove_autograd_hooks = close  # torch's name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
     def __del__(self):
-        engine = self.__dict__.get("engine")
-        if engine is not None:
-            engine.close(timeout=1.0)
+        self.close()
+
+    # -- pickling: torch drops the process group and the reducer, and rebuilds
+    # them on load with the default group.
+    def __getstate__(self):
+        if self.process_group is not dist.group.WORLD:
+            raise RuntimeError("DDP Pickling/Unpickling are only supported when using DDP with "
+                               "the default process group. That is, when you have called "
+                               "init_process_group and have not passed process_group argument "
+                               "to DDP constructor")
+        state = dict(self.__dict__)
+        for key in ("process_group", "reducer", "engine", "_join", "timeline"):
+            state.pop(key, None)
+        state["_static_graph"] = state.pop("static_graph")
+        return state
+
+    def __setstate__(self, state):
+        static_graph = state.pop("_static_graph")
+        super().__setstate__(state)
+        self.process_group = dist.group.WORLD
+        self._join, self.static_graph = None, False
+        self.timeline = None
+        self.engine = comm.engine_for(self.process_group, self._timeout)
+        self._build_reducer(self._trainable(self.module), static_graph)
+        if static_graph:
+            self._set_static_graph()
+
+
+class _Sink(torch.autograd.Function):
+    """The wrapper's outputs pass through here when it needs to see backward
+    start (static_graph) or undefined gradients reach the parameters behind an
+    output the loss ignores (find_unused_parameters), as torch's _DDPSink does."""
+
+    @staticmethod
+    def forward(ctx, reducer_ref, *tensors):
+        ctx.set_materialize_grads(False)  # an ignored output's gradient stays None
+        ctx.reducer_ref = reducer_ref
+        # Copies, as torch's sink makes: a loss modified in place must not
+        # modify the sink's own output.
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reducer = ctx.reducer_ref()
+        if reducer is not None:
+            reducer.sink_backward()
+        return (None, *grads)
+
+
+def _through_sink(outputs, reducer_ref):
+    leaves, spec = pytree.tree_flatten(outputs)
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and
+          leaf.grad_fn is not None]
+    if not at:
+        return outputs
+    passed = _Sink.apply(reducer_ref, *[leaves[i] for i in at])
+    for i, tensor in zip(at, passed):
+        leaves[i] = tensor
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _buffer_sync(broadcast_buffers, forward_sync_buffers):
+    """(sync buffers before each forward, sync them at construction), as torch decides."""
+    if broadcast_buffers is not None and _TORCH_HAS_FORWARD_SYNC:
+        if forward_sync_buffers is not None:
+            warnings.warn("Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+                          "`broadcast_buffers` is deprecated and its value is ignored when "
+                          "`forward_sync_buffers` is provided.", FutureWarning, stacklevel=3)
+        else:
+            warnings.warn("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` "
+                          "instead. IMPORTANT: unlike `broadcast_buffers=False`, "
+                          "`forward_sync_buffers=False` still syncs buffers at init.",
+                          FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    effective = True if broadcast_buffers is None else broadcast_buffers
+    return effective, effective
+
+
+def _refuse_unimplemented(rank, **given):
+    for name, value in given.items():
+        if value not in (None, False):
+            raise NotImplementedError(
+                f"minddp (rank {rank}): torch DDP's {name}= is not implemented by minddp "
+                f"(README, 'Differences from torch DDP'); leave it at its default or use "
+                f"torch.nn.parallel.DistributedDataParallel.")
+
+
+def _check_arguments(named, rank, device_ids, bucket_cap_mb, bucket_cap_mb_list, algorithm,
+                     compression):
+    where = f"minddp (rank {rank})"
+    if not named:
+        raise RuntimeError(f"{where}: DistributedDataParallel is not needed when a module "
+                           f"doesn't have any parameter that requires a gradient.")
+    for name, p in named:
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise RuntimeError(f"{where}: Modules with uninitialized parameters can't be used "
+                               f"with `DistributedDataParallel` ('{name}'). Run a dummy forward "
+                               f"pass to correctly initialize the modules")
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError("device_ids can only be None or contain a single element.")
+    devices = {p.device for _, p in named}
+    if len({d.type for d in devices}) > 1 or len(devices) > 1:
+        placed = ", ".join(f"{n} on {p.device}" for n, p in named[:4])
+        raise ValueError(f"{where}: parameters live on several devices ({placed}, ...); "
+                         f"move the whole module to one device before wrapping it.")
+    device = devices.pop()
+    if device.type == "meta":
+        raise ValueError(f"{where}: the module is on the meta device; materialise it "
+                         f"(module.to_empty(device=...)) and initialise it first.")
+    if device_ids and (device.type == "cpu" or torch.device(device.type, device.index) !=
+                       torch.device(device.type, _index(device_ids[0]))):
+        raise ValueError(f"{where}: device_ids={device_ids!r} does not match the module's "
+                         f"device {device}; DistributedDataParallel device_ids only work with "
+                         f"single-device GPU modules: pass device_ids=None for CPU modules, or "
+                         f"[the single GPU the module is on].")
+    for cap in [bucket_cap_mb] + list(bucket_cap_mb_list or []):
+        if not isinstance(cap, (int, float)) or cap <= 0:
+            raise ValueError(f"{where}: bucket_cap_mb must be a positive number of MiB, "
+                             f"got {cap!r}.")
+    if algorithm not in algorithms.CHOICES:
+        raise ValueError(f"{where}: unknown algorithm {algorithm!r}; choose one of "
+                         f"{list(algorithms.CHOICES)}.")
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"{where}: unknown compression {compression!r}; choose one of "
+                         f"{list(COMPRESSIONS)}.")
+
+
+def _check_comm_hook(hook):
+    """torch's checks on a comm hook, with torch's exception types."""
+    if not callable(hook):
+        raise TypeError(f"Communication hook must be callable; minddp got "
+                        f"{type(hook).__name__}.")
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return
+    bucket = signature.parameters.get("bucket")
+    if bucket is not None and bucket.annotation not in (inspect.Parameter.empty,
+                                                        dist.GradBucket, GradBucket):
+        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
+    if signature.return_annotation not in (inspect.Signature.empty,
+                                           torch.futures.Future[torch.Tensor]):
+        raise ValueError("Communication hook: return annotation should be "
+                         "torch.futures.Future[torch.Tensor].")
+
+
+def _sum_on_engine(engine, device, label, tensor):
+    """Sum a small tensor (the used map, the step check) with the backend's
+    all-reduce, in its place among the buckets on the gradient group."""
+    return engine.submit(native.all_reduce_async, tensor.to(device), engine.group,
+                         label=label, device=device)
 
 
 def _index(device_id):
@@ -238,10 +450,5 @@ def _index(device_id):
 
 
 def _to_device(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
+    return pytree.tree_map(
+        lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, obj)

@@ -6,6 +6,10 @@ group's key-value store, the iteration whose backward it has entered (one
 small write per iteration). When a reduction fails, a rank reads its peers'
 entries back: a peer still at an earlier iteration is the one that died or
 got stuck before backward.
+
+A rank that finds its own last backward unfinished (an exception inside it)
+also leaves a note there: its peers, waiting for buckets it will never send,
+read it and fail at once instead of at the timeout.
 """
 import torch.distributed as dist
 
@@ -13,18 +17,38 @@ import torch.distributed as dist
 class PeerProgress:
     """Publish this rank's iteration; name the peers that are behind it."""
 
-    def __init__(self, group, comm_group):
+    def __init__(self, group, name):
+        """`name`: the same on every rank for one wrapper, different for others."""
         self.rank = dist.get_rank(group)
         self.peers = [r for r in range(dist.get_world_size(group)) if r != self.rank]
         try:
             store = dist.distributed_c10d._get_default_store()
-            self.store = dist.PrefixStore(f"minddp/{comm_group.group_name}/", store)
+            self.store = dist.PrefixStore(f"minddp/{name}/", store)
         except Exception:  # noqa: BLE001 - no store (a custom init): diagnosis is best effort
             self.store = None
 
     def entered(self, iteration):
         if self.store is not None and self.peers:
             self.store.set(f"rank{self.rank}", str(iteration))
+
+    def abandon(self, why):
+        """Tell the peers this rank will not finish its current iteration."""
+        if self.store is not None and self.peers:
+            try:
+                self.store.set("abandoned", f"rank {self.rank} {why}")
+            except Exception:  # noqa: BLE001 - the store's host is gone: nobody to tell
+                pass
+
+    def abandoned(self):
+        """A peer's note that it gave up its iteration, or None."""
+        if self.store is None or not self.peers:
+            return None
+        try:
+            if self.store.check(["abandoned"]):
+                return self.store.get("abandoned").decode()
+        except Exception:  # noqa: BLE001 - the store's host is gone
+            return None
+        return None
 
     def behind(self, iteration):
         """Peers whose last published iteration is earlier than `iteration`, as

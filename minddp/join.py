@@ -19,22 +19,33 @@ Divisor: by default gradients are still divided by the full world size, as
 torch does (`divide_by_initial_world_size=True`): a joined rank counts as a
 rank with zero gradient. With False they are divided by the number of ranks
 still training in that step, i.e. the mean over the ranks that had data.
+
+throw_on_early_termination=True: once any rank has run out, every rank
+raises at its next step instead (the joined one when it reaches the end of
+its loop, the others in their next forward).
 """
 import torch
 import torch.distributed as dist
 
+from minddp.devices import group_device
 from minddp.model_sync import broadcast_from_first
+
+
+# torch's words, which scripts match on.
+EXHAUSTED = ("Detected at least one rank that exhausted inputs. Throwing across all ranks.")
 
 
 class Join:
     """The context manager behind `DistributedDataParallel.join()`."""
 
-    def __init__(self, ddp, divide_by_initial_world_size=True):
+    def __init__(self, ddp, divide_by_initial_world_size=True, throw_on_early_termination=False):
         self.ddp = ddp
         self.divide_by_initial = divide_by_initial_world_size
+        self.throw = throw_on_early_termination
         self.group = ddp.process_group
         self.world = ddp.world_size
         self.rank = dist.get_rank(self.group)
+        self.device = group_device(self.group)
         self.last_active = None  # who trained in the latest step that had anyone
 
     def __enter__(self):
@@ -49,40 +60,43 @@ class Join:
             status = self._exchange(active=False, broadcast_buffers=False, sync=False)
             if not status["anyone"]:
                 break
+            if self.throw:  # the others learn it from this same exchange
+                raise RuntimeError(EXHAUSTED)
             self._shadow(status)
         if self.last_active is not None and self.world > 1:
-            model = self.ddp.module
-            broadcast_from_first([p.data for p in model.parameters()] + list(model.buffers()),
-                                 self.group, src=min(self.last_active))
-        self.ddp.reducer.divisor = self.world
+            broadcast_from_first([p.data for p in self.ddp._parameters_to_sync()] +
+                                 self.ddp._buffers_to_sync(), self.group,
+                                 src=min(self.last_active))
         return False
 
     def before_forward(self, broadcast_buffers, sync):
         """Called by a training rank's forward: announce the step; returns the rank
-        buffers come from (the lowest one still training)."""
+        buffers come from (the lowest one still training) and what this step's
+        gradients are divided by."""
         status = self._exchange(active=True, broadcast_buffers=broadcast_buffers, sync=sync)
-        if not self.divide_by_initial:
-            self.ddp.reducer.divisor = len(status["active"])
-        return min(status["active"])
+        if self.throw and len(status["active"]) < self.world:
+            raise RuntimeError(EXHAUSTED)
+        divisor = self.world if self.divide_by_initial else len(status["active"])
+        return min(status["active"]), divisor
 
     def _exchange(self, active, broadcast_buffers, sync):
-        flags = torch.zeros(self.world + 2, dtype=torch.int32)
+        flags = torch.zeros(self.world + 2, dtype=torch.int32, device=self.device)
         if active:
             flags[self.rank] = 1
             flags[self.world] = int(broadcast_buffers)
             flags[self.world + 1] = int(sync)
         dist.all_reduce(flags, group=self.group)
+        flags = flags.tolist()
         ranks = [r for r in range(self.world) if flags[r] > 0]
         if ranks:
             self.last_active = ranks
         return {"anyone": bool(ranks), "active": ranks,
-                "broadcast_buffers": flags[self.world].item() > 0,
-                "sync": flags[self.world + 1].item() > 0}
+                "broadcast_buffers": flags[self.world] > 0, "sync": flags[self.world + 1] > 0}
 
     def _shadow(self, status):
         """Match one step of the training ranks, with nothing of our own to add."""
         if status["broadcast_buffers"]:
-            buffers = list(self.ddp.module.buffers())
-            broadcast_from_first(buffers, self.group, src=min(status["active"]))
+            broadcast_from_first(self.ddp._buffers_to_sync(), self.group,
+                                 src=min(status["active"]))
         if status["sync"]:
             self.ddp.reducer.shadow_backward()

@@ -9,6 +9,10 @@ import torch
 import torch.distributed as dist
 
 
+class ModelMismatch(RuntimeError):
+    """The ranks' models or wrapper settings differ (raised on every rank)."""
+
+
 def describe(named_params, settings):
     """A small picklable description of a model and its wrapper settings."""
     return {"params": [(n, tuple(p.shape), str(p.dtype)) for n, p in named_params],
@@ -31,7 +35,7 @@ def _show(param):
 
 
 def check_same_model(named_params, settings, group):
-    """Raise the same ValueError on every rank if any rank's model or settings differ."""
+    """Raise the same ModelMismatch on every rank if any rank's model or settings differ."""
     me = dist.get_rank(group)
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, describe(named_params, settings), group=group)
@@ -39,7 +43,7 @@ def check_same_model(named_params, settings, group):
     for other, desc in enumerate(everyone[1:], start=1):
         if desc["params"] != ref["params"]:
             k, a, b = _first_difference(ref["params"], desc["params"])
-            raise ValueError(
+            raise ModelMismatch(
                 f"minddp (rank {me}): the model differs between ranks 0 and {other}: "
                 f"rank 0 has {len(ref['params'])} trainable parameters, rank {other} has "
                 f"{len(desc['params'])}; first difference at parameter #{k}: rank 0 has "
@@ -48,7 +52,7 @@ def check_same_model(named_params, settings, group):
             diff = [key for key in ref["settings"] if ref["settings"][key] != desc["settings"].get(key)]
             shown = ", ".join(f"{k}={ref['settings'][k]!r} on rank 0 but "
                               f"{desc['settings'].get(k)!r} on rank {other}" for k in diff)
-            raise ValueError(f"minddp (rank {me}): ranks disagree on the wrapper's settings: "
+            raise ModelMismatch(f"minddp (rank {me}): ranks disagree on the wrapper's settings: "
                              f"{shown}. Pass the same arguments on every rank.")
 
 

@@ -1,379 +1,486 @@
 """The reducer: gradient readiness, bucket launch in order, finalize after backward.
 
-One iteration, as the reducer sees it:
+One iteration, as the reducer sees it (torch's reducer.cpp keeps the same rules):
 
-    forward  -> prepare(outputs)       arm; note unused parameters (find_unused_parameters)
-    backward -> hook(param) per param  copy .grad into its bucket slot (divided by the
-                                       world size unless a comm hook runs), or divide a
-                                       large .grad where it is (in place, see below); a
-                                       bucket whose last gradient is ready is launched, but
-                                       only once every bucket before it has been: launches
-                                       go in index order on every rank, whatever order
-                                       gradients arrive in
-             -> finalize()             (autograd engine callback, end of backward) wait for
-                                       each bucket in turn and write it back to .grad, so
-                                       copying one overlaps the next one's communication
+    forward   check_finished()          raise if the previous backward did not finish
+              prepare_for_backward()    ARMED; note the parameters the outputs cannot
+                                        reach (find_unused_parameters)
+    backward  a hook per parameter      copy its .grad into its bucket slot (divided by
+                                        the world size if the reduction wants that); a
+                                        full bucket is launched once every bucket before
+                                        it has been: launches go in index order on every
+                                        rank, whatever order gradients arrive in
+              last bucket launched      queue finalize for the end of backward
+    end       finalize                  wait for each bucket in turn and write it to
+                                        .grad (writing one overlaps the next one's
+                                        communication); IDLE again
 
-In place: when the bucket's algorithm is one of ours (not the backend's, not
-a comm hook) and gradient_as_bucket_view is off, gradients of at least
-`in_place_bytes` are all-reduced in .grad itself, the bucket being a list of
-pieces (buckets.py). That skips the copy back out of the bucket; in exchange
-such a .grad holds partial sums while backward runs (as with
-gradient_as_bucket_view), and is the mean once backward returns. Only a .grad
-that alone holds its memory qualifies: autograd may hand a parameter a view
-of a gradient that other parts of backward still read (a .view() of it, one
-sum feeding several parameters), and those are copied as before. So are the
-gradients of parameters unused at forward (find_unused_parameters), whose
-.grad must stay as it was if no rank used them.
+`.grad` is not touched between the hooks and finalize, except with
+gradient_as_bucket_view, where it is the bucket slot itself.
 
-A parameter that never got its gradient leaves its bucket unlaunched; that is
-reported at the next forward, naming the parameters and the rank.
+Phases: IDLE (hooks are ignored: no_sync, the bare module called directly, a
+nested wrapper's own backward), ARMED (a synced forward ran), RUNNING (its
+backward has begun) and BROKEN. A backward that ends while RUNNING (an
+exception inside it, or parameters that never got a gradient) is found at the
+next forward: the reducer waits for the buckets it launched, so nothing of
+that iteration can pair with the next one's, tells its peers through the
+store, and raises; every later forward raises too. The peers, waiting for
+buckets this rank will never send, read the note and raise (at the latest at
+the process group's timeout).
+
+static_graph=True: in the first iteration the hooks only count how often each
+parameter's gradient arrives, and everything is reduced at the end of
+backward; later a parameter is ready once its gradient has arrived that many
+times (reentrant checkpointing runs backward through a segment more than
+once), and the parameters the first iteration did not use are ready at once.
 """
+import enum
+import threading
 import warnings
+import weakref
 
 import torch
-import torch.distributed as dist
 
-from minddp import buckets as bucketing
 from minddp.grad_bucket import GradBucket
 from minddp.graph import reached_parameters
 from minddp.timeline import now_us, profiled
+
+# How often a rank waiting for a bucket looks for a peer's note that it gave up.
+POLL_SECONDS = 0.5
+BACKEND = "the backend's all-reduce"  # what the step check and the used map run on
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    ARMED = "armed"
+    RUNNING = "running"
+    BROKEN = "broken"
 
 
 class Reducer:
     """Owns the buckets of one wrapped module and runs their reduction each iteration.
 
-    `reduce(buffer) -> Future` sums a bucket buffer over the ranks (in place or
-    not; the future's value is the reduced tensor). `reduce_used(tensor) ->
-    Future` sums the used-parameter map (find_unused_parameters only).
-    `takes_pieces(buffer) -> bool` says whether `reduce` may be given the
-    bucket as a list of pieces in place instead (see the module docstring).
+    `reduction` is the seam (reduction.py) every bucket goes through.
+    `count_used(tensor) -> Future` sums the used-parameter map over the ranks
+    (find_unused_parameters, static_graph's first iteration); `sum_step`, the
+    same for the step check (below).
     """
 
-    def __init__(self, named_params, *, world_size, rank, bucket_cap_bytes, reduce, reduce_used,
-                 find_unused_parameters=False, gradient_as_bucket_view=False, describe="native",
-                 first_bucket_bytes=bucketing.FIRST_BUCKET_BYTES, in_place_bytes=None,
-                 takes_pieces=None, timeline=None, progress=None):
+    def __init__(self, named_params, buckets, reduction, *, rank, find_unused_parameters=False,
+                 gradient_as_bucket_view=False, static_graph=False, count_used=None,
+                 sum_step=None, progress=None, timeline=None):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
-        self.world_size, self.rank = world_size, rank
-        self.divisor = world_size  # what gradients are divided by (join() may lower it)
-        self.find_unused = find_unused_parameters
+        self.buckets = buckets
+        self.reduction = reduction
+        self.rank = rank
+        self.find_unused = find_unused_parameters and not static_graph
+        self.static_graph = static_graph
         self.as_view = gradient_as_bucket_view
-        self.describe = describe  # the algorithm, for error messages
-        self._reduce, self._reduce_used = reduce, reduce_used
-        self.timeline = timeline  # see timeline.py; None records nothing
+        self.count_used, self.sum_step = count_used, sum_step
         self.progress = progress  # health.PeerProgress: names the peer when a bucket fails
-        self.buckets = bucketing.build(self.params, self.names, bucket_cap_bytes,
-                                       first_bucket_bytes,
-                                       None if gradient_as_bucket_view else in_place_bytes)
-        self._takes_pieces = takes_pieces
-        self._in_place = None       # per bucket: reduced as pieces in place (decided once)
-        self._where = {}  # parameter index -> (bucket, position in bucket)
-        for bucket in self.buckets:
-            for i, index in enumerate(bucket.indices):
-                self._where[index] = (bucket, i)
-        self.comm_hook = None
-        self.hook_state = None
-        self.used = torch.zeros(len(self.params), dtype=torch.int32)
-        self._armed = False         # a synced forward ran; its backward will reduce
-        self._started = False       # the first gradient hook of this backward has run
-        self._unused_at_forward = []
-        self._unfinished = None     # error for the next forward, if one iteration broke
-        self._mode = None           # what the last forward was: "sync", "local" or "done"
-        self.in_no_sync = False
-        self._warned_late_backward = False
-        self.iterations = 0         # backward passes finalized
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i))
-                         for i, p in enumerate(self.params)]
-
-    # -- hooks API ---------------------------------------------------------------
-    def set_comm_hook(self, state, hook):
-        if self.comm_hook is not None:
-            raise RuntimeError("minddp: register_comm_hook can only be called once")
-        if self.iterations or self._started:
-            raise RuntimeError("minddp: register_comm_hook must be called before the first "
-                               "backward pass")
-        self.comm_hook, self.hook_state = hook, state
-        self._in_place = None  # a hook reduces the buffer: nothing in place
+        self.timeline = timeline  # see timeline.py; None records nothing
+        self._where = {index: (bucket, slot) for bucket in buckets
+                       for slot, index in enumerate(bucket.indices)}
+        device = self.params[0].device
+        self.local_used = torch.zeros(len(self.params), dtype=torch.int32, device=device)
+        self.phase = Phase.IDLE
+        self.iterations = 0          # backward passes finalized
+        self.forwards = 0            # synced forwards: what the step check compares
+        self.divisor = 1
+        self._broken = None          # the error every forward raises once BROKEN
+        self._unused = []            # parameters the forward's outputs cannot reach
+        self._static_counts = None   # static_graph: gradients per parameter per iteration
+        self._global_used = None     # static_graph: the first iteration's used map
+        self._warned_create_graph = False
+        self._handles = _hook_parameters(self)
 
     # -- forward -----------------------------------------------------------------
     def check_finished(self):
-        """Raise if the previous iteration left buckets unreduced."""
-        if self._unfinished is not None:
-            raise RuntimeError(self._unfinished)
+        """Raise if the previous backward pass did not finish (every grad-enabled forward)."""
+        if self.phase is Phase.RUNNING:
+            self._abandon()
+        if self.phase is Phase.BROKEN:
+            raise RuntimeError(self._broken)
 
-    def prepare(self, outputs=None):
-        """Arm the reducer for the backward of `outputs` (called by every synced forward)."""
-        self.check_finished()
-        if self.world_size == 1 and self.comm_hook is None:
-            # A world of one: every .grad already is the mean. Skipping the
-            # buckets keeps the wrapper free, as the benchmark checks.
-            self._mode = "alone"
-            return
-        self._armed, self._started = True, False
-        self._mode = "sync"
-        self._unused_at_forward = []
+    def prepare_for_backward(self, outputs, divisor):
+        """Arm the reducer for the backward of `outputs` (every synced forward);
+        gradients will be divided by `divisor` (the world size, or fewer under join)."""
+        self.phase = Phase.ARMED
+        self.divisor = divisor
+        self.forwards += 1
         if self.find_unused:
             reached = reached_parameters(outputs)
-            self._unused_at_forward = [i for i, p in enumerate(self.params)
-                                       if id(p) not in reached]
+            self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
 
-    def prepare_local(self, in_no_sync=True):
-        """A forward under no_sync(): its backward accumulates locally."""
-        self._mode = "local"
-        self.in_no_sync = in_no_sync
+    @property
+    def in_first_static_iteration(self):
+        return self.static_graph and self._static_counts is None
+
+    def sink_backward(self):
+        """Called when backward reaches the wrapper's outputs, before any gradient:
+        static graph's first iteration queues its reduction for the end of this
+        backward, the outermost one (a hook may run inside a reentrant one)."""
+        if self.phase is Phase.ARMED and self.in_first_static_iteration:
+            self._start()
 
     # -- backward ----------------------------------------------------------------
-    def _hook_for(self, index):
-        def hook(param):
-            if self._armed:
-                self._on_ready(index)
-            else:
-                self._on_local(index)
-        return hook
-
-    def _on_local(self, index):
-        """A gradient outside a synced backward: fine under no_sync, a mistake otherwise."""
-        if self._mode == "alone":
+    def on_gradient(self, index, defined):
+        """The hook: parameter `index`'s gradient accumulator ran (its incoming
+        gradient was `defined` or not)."""
+        if defined and (self.find_unused or self.in_first_static_iteration):
+            # Marked even outside a synced backward: a parameter used under
+            # no_sync() counts as used at the next synced step.
+            self.local_used[index] = 1
+        if self.phase is Phase.ARMED:
+            self._start()
+        elif self.phase is not Phase.RUNNING:
+            return  # not a synced backward: accumulate locally, as torch does
+        if self.in_first_static_iteration:
+            self._counts[index] += 1
             return
-        if self._mode == "local":
-            # Used under no_sync counts as used at the next synced step, as in
-            # torch: its accumulated gradient is in the bucket and must be kept.
-            self.used[index] = 1
-            if not self.in_no_sync and not self._warned_late_backward:
-                self._warned_late_backward = True
-                warnings.warn(f"minddp (rank {self.rank}): this backward belongs to a forward "
-                              f"that ran inside no_sync(), so it accumulates locally although "
-                              f"no_sync() has exited; the next synced backward reduces it. Run "
-                              f"the backward inside no_sync() too to make that explicit.")
-            return
-        raise RuntimeError(
-            f"minddp (rank {self.rank}): parameter '{self.names[index]}' got a gradient from a "
-            f"backward pass with no wrapper forward of its own ("
-            f"{'the previous synced backward already consumed it' if self._mode == 'done' else 'the module was called directly'}"
-            f"). Its gradients would not be synchronised. Call the wrapper (ddp(inputs)) "
-            f"before each backward; do not call backward twice on one forward's graph.")
+        if self._static_counts is not None:
+            if self._left[index] == 0:
+                raise RuntimeError(self._graph_changed(index))
+            self._left[index] -= 1
+            if self._left[index]:
+                return  # more gradients of this parameter to come in this backward
+        self._mark_ready(index)
+        self._launch_ready()
 
-    def _start_backward(self):
-        self._started = True
+    def _start(self):
+        """The first gradient (or the sink) of a synced backward."""
+        self._begin()
+        if self.in_first_static_iteration:
+            self._counts = [0] * len(self.params)
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce_all_at_end)
+
+    def _begin(self):
+        self.phase = Phase.RUNNING
         self._backward_start = now_us()
         if self.progress is not None:
             self.progress.entered(self.iterations)
         self._ready = [False] * len(self.params)
-        self._next = 0
+        self._pending = [len(bucket.params) for bucket in self.buckets]
         self._futures = [None] * len(self.buckets)
-        self._used_future = None
-        self._forget_in_place()
-        for bucket in self.buckets:
-            bucket.pending = len(bucket.params)
-        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-        for index in self._unused_at_forward:
-            self._mark_ready(index, unused=True)
+        self._next = 0
+        self._used_future = self._used_reduced = None
+        self._step_future = self._check_step(self.forwards)
+        if self._static_counts is not None:
+            self._left = list(self._static_counts)
+        for index in self._unused:
+            self._mark_ready(index)
 
-    def _on_ready(self, index):
-        if not self._started:
-            self._start_backward()
+    def _mark_ready(self, index):
         if self._ready[index]:
-            raise RuntimeError(
-                f"minddp (rank {self.rank}): parameter '{self.names[index]}' received its "
-                f"gradient twice in one backward pass. Either it was reported unused at forward "
-                f"(find_unused_parameters) but backward reached it, or it takes part in several "
-                f"backward passes (reentrant checkpointing); give each backward its own forward.")
-        self.used[index] = 1
-        self._mark_ready(index)
-        self._launch_ready()
-
-    def _mark_ready(self, index, unused=False):
-        bucket, i = self._where[index]
-        param, view = bucket.params[i], bucket.view(i)
+            raise RuntimeError(self._marked_twice(index))
+        self._ready[index] = True
+        bucket, slot = self._where[index]
+        param, view = self.params[index], bucket.view(slot)
+        # torch's rule: what is reduced is the parameter's .grad (which may hold
+        # gradients accumulated under no_sync), or zeros where it has none.
         grad = param.grad
-        divide = self.comm_hook is None  # torch's contract: a comm hook gets plain sums
         if grad is None:
             view.zero_()
         elif grad.is_sparse:
-            raise RuntimeError(f"minddp (rank {self.rank}): parameter '{self.names[index]}' has a "
-                               f"sparse gradient, which minddp does not reduce; use a dense "
+            raise RuntimeError(f"minddp (rank {self.rank}): parameter '{self.names[index]}' has "
+                               f"a sparse gradient, which minddp does not reduce; use a dense "
                                f"layer (e.g. nn.Embedding(sparse=False)).")
-        elif self.as_view and grad.data_ptr() == view.data_ptr():
-            if divide:
-                view.div_(self.divisor)  # already accumulated in place, in the bucket
-        elif not unused and i >= bucket.first_large and self.in_place(bucket) and \
-                _fits(grad, view):
-            grad.mul_(1.0 / self.divisor)  # reduced right here: no copy into the bucket
-            bucket.live[i] = grad
+        elif self.as_view and _aliases(grad, view):
+            if self.reduction.prescaled:
+                view.div_(self.divisor)
         else:
-            if divide:
+            if grad.requires_grad:  # backward(create_graph=True)
+                self._warn_create_graph()
+                grad = grad.detach()
+            if self.reduction.prescaled:
                 torch.mul(grad, 1.0 / self.divisor, out=view)  # divide while copying
             else:
                 view.copy_(grad)
             if self.as_view:
                 param.grad = view
-        self._ready[index] = True
-        bucket.pending -= 1
-        if bucket.pending == 0 and self.timeline is not None:
+        self._pending[bucket.index] -= 1
+        if self._pending[bucket.index] == 0 and self.timeline is not None:
             self.timeline.instant(f"ready b{bucket.index}", bytes=bucket.nbytes)
 
     def _launch_ready(self):
-        """Launch every bucket that is full and whose predecessors have all been launched."""
-        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            self._futures[self._next] = self._launch(self.buckets[self._next])
+        """Launch every full bucket whose predecessors have all been launched; once
+        the last one is, reduce the used map and queue finalize."""
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._futures[self._next] = self._launch(self._next)
             self._next += 1
-        if self._next == len(self.buckets) and self.find_unused and self._used_future is None:
-            self._used_future = self._reduce_used(self.used, "used-map")
+        if self._next < len(self.buckets):
+            return
+        if self.find_unused or self.in_first_static_iteration:
+            self._used_future = self.count_used(self.local_used.clone())
+        if not self.in_first_static_iteration:  # that one finalizes at once
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
-    def in_place(self, bucket):
-        """Whether `bucket` is reduced as pieces, its large gradients in place."""
-        if self._in_place is None:
-            self._in_place = [bool(b.large) and self.comm_hook is None and
-                              self._takes_pieces is not None and self._takes_pieces(b.buffer)
-                              for b in self.buckets]
-        return self._in_place[bucket.index]
+    def _launch(self, b):
+        bucket = GradBucket(self.buckets[b], is_last=b == len(self.buckets) - 1)
+        return self.reduction.launch(bucket)
 
-    def _launch(self, bucket):
-        """Start reducing one bucket: the comm hook if one is set, else our all-reduce."""
-        if self.comm_hook is None:
-            what = bucket.pieces() if self.in_place(bucket) else bucket.buffer
-            return self._reduce(what, f"comm b{bucket.index}")
-        is_last = bucket.index == len(self.buckets) - 1
-        return self.comm_hook(self.hook_state, GradBucket(bucket, is_last))
+    def _reduce_all_at_end(self):
+        """static_graph, first iteration, end of backward: everything at once; from
+        now on a parameter is ready after as many gradients as it got this time."""
+        for index in range(len(self.params)):
+            self._mark_ready(index)
+        self._launch_ready()
+        self._static_counts = self._counts
+        self._unused = [i for i, count in enumerate(self._counts) if count == 0]
+        self._finalize()
 
+    # -- end of backward ---------------------------------------------------------
     def _finalize(self):
-        """End of backward: wait for each bucket, write its means to .grad."""
         start = now_us()
         if self.timeline is not None:
             self.timeline.span("backward", self._backward_start, start)
-        with profiled("minddp.finalize"):
-            self._write_back()
+        try:
+            with profiled("minddp.finalize"):
+                self._write_back()
+        except Exception as e:
+            self._break(f"minddp (rank {self.rank}): the previous backward pass failed, so "
+                        f"gradients are not synchronised; this wrapper cannot go on. Cause: "
+                        f"{str(e).splitlines()[0]}")
+            raise
+        self.phase = Phase.IDLE
+        self.iterations += 1
         if self.timeline is not None:
             self.timeline.span("finalize", start, now_us())
 
     def _write_back(self):
-        self._armed, self._started = False, False
-        self._mode = "done"
-        if self._next < len(self.buckets):
-            missing = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
-            self._unfinished = (
-                f"minddp (rank {self.rank}): the previous backward pass produced no gradient for "
-                f"{len(missing)} parameter(s): {', '.join(missing)}. Their buckets were never "
-                f"reduced, so gradients are not synchronised. If some parameters legitimately "
-                f"take no part in the loss, pass find_unused_parameters=True; otherwise make sure "
-                f"every forward output contributes to the loss.")
-            # Buckets already launched may still be summing .grad in place: the
-            # error raised at the next forward says the step is broken.
-            self._forget_in_place()
-            return
-        globally_used = None
-        if self.find_unused:
-            # Which gradients to write is known only once the used-parameter
-            # map, launched after the last bucket, is back: wait for all first.
-            for bucket in self.buckets:
-                self._collect(bucket)
-            globally_used = self._wait(self._used_future, "the used-parameter map") > 0
-            self.used.zero_()  # the next accumulation starts afresh
-        for bucket in self.buckets:
-            # Write each bucket back as soon as it is reduced, as torch's
-            # finalize does: copying one overlaps the next one's communication.
-            if globally_used is None:
-                self._collect(bucket)
-            for i, index in enumerate(bucket.indices):
-                if i in bucket.live:
-                    continue  # reduced in place: .grad already is the mean
-                if globally_used is not None and not globally_used[index]:
+        self._step_agreed()
+        used = self._used_lookup()
+        for b, bucket in enumerate(self.buckets):
+            # Each bucket is written as soon as it is reduced, as torch's
+            # finalize does: writing one overlaps the next one's communication.
+            result = self._collect(b)
+            for slot, index in enumerate(bucket.indices):
+                if used is not None and not used(index):
                     continue  # no rank used it: leave .grad as it was, as torch does
-                self._write_grad(bucket.params[i], bucket.view(i))
-        self._forget_in_place()
-        self.iterations += 1
+                self._write_grad(bucket, slot, result)
+        if self._used_future is not None:
+            self._used_map()  # its reduction must not outlive the iteration
+        if self.find_unused:
+            self.local_used.zero_()  # the next accumulation starts afresh
 
-    def _forget_in_place(self):
-        """Drop this iteration's in-place gradients. Outside a backward no bucket
-        holds any: later reductions (join, benchmarks) must not touch .grad, and
-        a .grad we still referred to would not count as alone in its memory."""
-        for bucket in self.buckets:
-            bucket.live.clear()
+    def _used_lookup(self):
+        """index -> whether any rank used the parameter, or None when every one
+        counts as used. The map's reduction is waited for only when a parameter
+        is unused here (used here means used somewhere), as torch does, and in
+        any case before finalize ends; with static_graph the first iteration's
+        map decides for good."""
+        if self.static_graph and self._global_used is None and self._used_future is not None:
+            self._global_used = self._used_map()
+        if self._global_used is not None:
+            return lambda index: bool(self._global_used[index])
+        if self._used_future is None:
+            return None
+        local = self.local_used.tolist()
+        return lambda index: bool(local[index]) or bool(self._used_map()[index])
 
-    def _write_grad(self, param, view):
-        if self.as_view:
-            if param.grad is None or param.grad.data_ptr() != view.data_ptr():
-                param.grad = view
-        elif param.grad is None:
-            param.grad = view.clone()
-        else:
-            param.grad.copy_(view)
+    def _used_map(self):
+        """The summed used map of this iteration, waited for once."""
+        if self._used_reduced is None:
+            self._used_reduced = self._wait(self._used_future, "the used-parameter map",
+                                            BACKEND).tolist()
+        return self._used_reduced
 
-    def _collect(self, bucket):
-        """Wait for one bucket's reduction and leave the result in its buffer."""
-        what = f"bucket {bucket.index} ({len(bucket.params)} parameters, {bucket.nbytes} bytes)"
-        result = self._wait(self._futures[bucket.index], what)
-        self._futures[bucket.index] = None
-        if self.comm_hook is None and self.in_place(bucket):
-            return  # our own algorithm summed the pieces where they lie
+    def _collect(self, b):
+        """Wait for bucket b's reduction; the flat averaged result."""
+        bucket = self.buckets[b]
+        what = f"bucket {b} ({len(bucket.params)} parameters, {bucket.nbytes} bytes)"
+        result = self._wait(self._futures[b], what)
+        self._futures[b] = None
         if isinstance(result, (list, tuple)) and len(result) == 1:
             result = result[0]
         if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
             got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
                    else type(result).__name__)
             raise RuntimeError(
-                f"minddp (rank {self.rank}): the communication hook returned {got} for "
-                f"{what}; it must return a Future whose value is the reduced bucket "
-                f"buffer ({bucket.buffer.numel()} elements, {bucket.buffer.dtype}).")
-        if result is not bucket.buffer:
-            bucket.buffer.copy_(result.reshape(-1))
+                f"minddp (rank {self.rank}): the reduction returned {got} for {what}; it must "
+                f"return a Future whose value is the reduced bucket buffer "
+                f"({bucket.buffer.numel()} elements, {bucket.buffer.dtype}).")
+        result = result.reshape(-1)
+        if self.as_view and not _aliases(result, bucket.buffer):
+            bucket.buffer.copy_(result)  # .grad is the bucket slot: the result goes there
+            result = bucket.buffer
+        return result
 
-    def _wait(self, future, what):
+    def _write_grad(self, bucket, slot, result):
+        param, view = bucket.params[slot], bucket.view(slot, result)
+        grad = param.grad
+        if self.as_view:
+            if grad is None or not _aliases(grad, view):
+                param.grad = view
+        elif grad is None:  # laid out like the parameter, as autograd would
+            param.grad = torch.empty_like(param, memory_format=torch.preserve_format,
+                                          requires_grad=False).copy_(view)
+        else:
+            grad.copy_(view)
+
+    def _wait(self, future, what, via=None):
+        """future.wait(), bounded by the group's timeout, and sooner when a peer has
+        left a note that it gave up this iteration."""
         try:
+            if self.progress is not None and not future.done():
+                arrived = threading.Event()
+                future.add_done_callback(lambda _: arrived.set())
+                while not arrived.wait(POLL_SECONDS):
+                    note = self.progress.abandoned()
+                    if note is not None:
+                        raise RuntimeError(f"{note}; nothing it did not send will arrive")
             return future.wait()
         except Exception as e:
-            via = "the communication hook" if self.comm_hook is not None else self.describe
             who = (self.progress.describe(self.iterations) if self.progress is not None
                    else "a peer may have died or stalled")
             cause = str(e).split("\n")[0].replace(
                 "Got the following error when running the callback: ", "")
             raise RuntimeError(
-                f"minddp (rank {self.rank}): all-reduce of {what} with {via} failed in "
-                f"iteration {self.iterations}: {who}. Cause: {cause}") from e
+                f"minddp (rank {self.rank}): all-reduce of {what} with {via or self.reduction.name} "
+                f"failed in iteration {self.iterations}: {who}. Cause: {cause}") from e
 
+    # -- the step check ---------------------------------------------------------
+    # Each backward first sums (1, n, n^2) over the ranks, n being the number of
+    # synced forwards so far, and finalize writes no .grad unless every rank had
+    # the same n (then the sums are k, kn and kn^2). Buckets pair by launch order
+    # alone, so a rank that lost a backward before it reached this wrapper (an
+    # exception in the loss's own backward, caught and skipped) would otherwise
+    # pair its next iteration with its peers' current one: wrong gradients,
+    # silently. A rank that has joined (join.py) adds zeros.
+    def _check_step(self, n):
+        if self.sum_step is None:
+            return None
+        return self.sum_step(torch.tensor([1, n, n * n], dtype=torch.int64))
+
+    def _step_agreed(self):
+        if self._step_future is None:
+            return
+        ranks, total, squares = self._wait(self._step_future, "the step check", BACKEND).tolist()
+        n = self.forwards
+        if total != ranks * n or squares != ranks * n * n:
+            raise RuntimeError(
+                f"minddp (rank {self.rank}): ranks are out of step: this backward belongs to rank {self.rank}'s synced "
+                f"forward #{n}, but the ranks' forwards average #{total / ranks:g}. A rank "
+                f"skipped a backward (an exception inside backward, caught and ignored) or "
+                f"ran a different number of forwards with gradients enabled outside "
+                f"no_sync(); every rank must run the same synced forwards and backwards. "
+                f"No gradient of this backward was written")
+
+    # -- broken iterations -------------------------------------------------------
+    def _abandon(self):
+        """The previous backward began but never reached finalize: drain what it
+        launched, tell the peers, and become BROKEN."""
+        missing = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
+        waiting = [b for b in range(len(self.buckets)) if self._futures[b] is None]
+        launched = [f for f in [self._step_future, *self._futures, self._used_future]
+                    if f is not None]
+        for future in launched:  # so that none of it can pair with a later iteration
+            try:
+                future.wait()
+            except Exception:  # noqa: BLE001 - the iteration is lost either way
+                pass
+        if self.progress is not None:
+            self.progress.abandon(f"abandoned iteration {self.iterations}: its backward did not "
+                                  f"finish (buckets {_spans(waiting)} never launched)")
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8
+                                          else "")
+        self._break(
+            f"minddp (rank {self.rank}): expected to have finished reduction in the prior "
+            f"iteration before starting a new one. Its backward pass did not finish: "
+            f"{len(missing)} parameter(s) got no gradient ({shown}), so buckets "
+            f"{_spans(waiting)} of {len(self.buckets)} were never reduced and the other ranks "
+            f"cannot complete that iteration. Either an exception interrupted backward (DDP "
+            f"cannot skip a batch after its backward started: let the error stop training on "
+            f"every rank, or skip the batch before backward on every rank), or those "
+            f"parameters took no part in the loss (pass find_unused_parameters=True, and make "
+            f"sure every forward output takes part in the loss).")
+
+    def _break(self, message):
+        self.phase = Phase.BROKEN
+        self._broken = message
+
+    def _marked_twice(self, index):
+        return (f"minddp (rank {self.rank}): expected to mark a variable ready only once, but "
+                f"parameter '{self.names[index]}' received its gradient twice in one backward "
+                f"pass. It took part in several backward passes over one forward (reentrant "
+                f"checkpointing reusing it, or a parameter used outside forward), or it was "
+                f"reported unused by find_unused_parameters but backward reached it. Pass "
+                f"static_graph=True if the graph is the same every iteration.")
+
+    def _graph_changed(self, index):
+        return (f"minddp (rank {self.rank}): your training graph has changed in this "
+                f"iteration: parameter '{self.names[index]}' got more gradients than in the "
+                f"first iteration (or was unused then). static_graph=True requires the same "
+                f"graph every iteration; construct the wrapper without it.")
+
+    def _warn_create_graph(self):
+        if not self._warned_create_graph:
+            self._warned_create_graph = True
+            warnings.warn("minddp: backward(create_graph=True): the gradients are averaged, "
+                          "but the higher-order gradient is not synchronised across ranks "
+                          "(as with torch's DDP).", stacklevel=3)
+
+    # -- join and clean-up -------------------------------------------------------
     def shadow_backward(self):
         """Take part in the other ranks' backward with zero gradients (a rank that
         has run out of inputs, see join.py): every bucket, in order, then the
         used-parameter map. Leaves .grad alone."""
-        self._forget_in_place()
+        self.forwards += 1  # the step it shadows counts here too (the step check)
         for bucket in self.buckets:
             bucket.buffer.zero_()
-        futures = [self._launch(bucket) for bucket in self.buckets]
+        futures = []
+        if self.sum_step is not None:
+            futures.append(self.sum_step(torch.zeros(3, dtype=torch.int64)))
+        futures += [self._launch(b) for b in range(len(self.buckets))]
         if self.find_unused:
-            self.used.zero_()
-            futures.append(self._reduce_used(self.used, "used-map"))
-        for i, future in enumerate(futures):
-            self._wait(future, f"bucket {i} (joined rank, zeros)")
-
-    def communicate_only(self):
-        """Reduce every bucket's current contents the way backward does, and wait.
-
-        `.grad` is not touched. Every rank must call it; benchmarks use it to
-        time communication alone (no backward to hide behind).
-        """
-        self._forget_in_place()
-        for future in [self._launch(bucket) for bucket in self.buckets]:
-            future.wait()
+            futures.append(self.count_used(torch.zeros_like(self.local_used)))
+        for future in futures:
+            self._wait(future, "the buckets (joined rank, zeros)")
 
     def close(self):
+        """Remove the gradient hooks (the wrapper's close() and garbage collection)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
 
 
-def _fits(grad, view):
-    """Whether `grad` can be reduced where it is, standing in for its bucket slot `view`."""
-    return (grad.is_contiguous() and grad.dtype == view.dtype and grad.device == view.device
-            and grad.shape == view.shape and not grad.requires_grad and _sole_owner(grad))
+def _hook_parameters(reducer):
+    """Hook every parameter's gradient accumulator (as torch's reducer does):
+    unlike a tensor's post-accumulate hook, it also runs when the incoming
+    gradient is undefined (an output the loss ignores, behind the wrapper's
+    sink), which find_unused_parameters must see. The hooks hold the reducer
+    weakly, so a dropped wrapper's hooks do nothing."""
+    ref = weakref.ref(reducer)
+    handles, reducer._accumulators = [], []
+    with torch.enable_grad():
+        for index, param in enumerate(reducer.params):
+            accumulator = param.view_as(param).grad_fn.next_functions[0][0]
+            reducer._accumulators.append(accumulator)  # keeps it, and the hook, alive
+            handles.append(accumulator.register_hook(_hook(ref, index)))
+    return handles
 
 
-def _sole_owner(grad):
-    """Whether no tensor but `grad` refers to its memory (else changing it in place
-    would change gradients that backward has yet to read)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    if count is None:
-        return False  # cannot tell: copy, which is always safe
-    storage = grad.untyped_storage()
-    return count(storage._cdata) == 2  # grad's reference and `storage`'s
+def _hook(ref, index):
+    def hook(grad_inputs, grad_outputs):
+        reducer = ref()
+        if reducer is not None:
+            reducer.on_gradient(index, grad_outputs[0] is not None)
+    return hook
+
+
+def _aliases(a, b):
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and \
+        a.data_ptr() == b.data_ptr()
+
+
+def _spans(indices):
+    """[3, 4, 5, 7] -> '3-5, 7'."""
+    if not indices:
+        return "none"
+    parts, start = [], indices[0]
+    for prev, cur in zip(indices, indices[1:] + [None]):
+        if cur != prev + 1 if cur is not None else True:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(parts)

@@ -67,8 +67,8 @@ def _all_reduce(rank, world_size, algorithm, kind, kernels):
                    else algorithms.resolve(algorithm).all_reduce(x.clone(), world, codec=codec))
     else:
         reduced = minddp.all_reduce(x.clone(), algorithm, compression=kind)
-    job = compression.all_reduce_job(algorithm, world, kind)  # as the wrapper runs it
-    ints = job(torch.arange(10) * (rank + 1), world)
+    job = algorithms.planner(algorithm, world, compression.codec_for(kind))  # as the wrapper does
+    ints = job(torch.arange(10) * (rank + 1))
     ints = ints.wait() if isinstance(ints, torch.futures.Future) else ints
     return x, reduced, ints
 
@@ -107,9 +107,7 @@ def _huge_grads(rank, world_size, algorithm, kind):
     grads = {}
     for setting in (None, kind):
         torch.manual_seed(0)
-        # in_place_mb=0: every gradient goes on the wire from .grad itself.
-        ddp = minddp.DDP(Huge(), algorithm=algorithm, compression=setting, bucket_cap_mb=0.001,
-                         in_place_mb=0)
+        ddp = minddp.DDP(Huge(), algorithm=algorithm, compression=setting, bucket_cap_mb=0.001)
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank)) * 300
         (ddp(x) ** 2).sum().backward()
         grads[setting] = [p.grad.clone() for p in ddp.parameters()]

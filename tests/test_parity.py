@@ -7,7 +7,6 @@ more ranks the summation order follows the bucket layout, so they match to
 float rounding. In every case all ranks must end bitwise identical.
 """
 import copy
-import time
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp
 from minddp.algorithms import lanes
-from minddp.comm import CommEngine
 from dist_harness import run_world
 from models import MODELS, batch
 
@@ -40,7 +38,7 @@ def _train_both(rank, world_size, name, steps=3, torch_kwargs=None, ours_kwargs=
     ref = TorchDDP(copy.deepcopy(model), **torch_kwargs)
     ours = minddp.DDP(copy.deepcopy(model), **{"algorithm": "native", **ours_kwargs})
     # Opened by the constructor: never created later by the communication thread.
-    assert lanes.is_open(ours.comm_group), "the wrapper left its reverse lane unopened"
+    assert lanes.is_open(ours.engine.group), "the wrapper left its reverse lane unopened"
     ref_hook = hook if ref_hook == "same" else ref_hook
     if ref_hook is not None:
         ref.register_comm_hook(None, ref_hook)
@@ -102,65 +100,6 @@ def test_each_algorithm(algorithm, world_size, kwargs):
     name = "branch" if kwargs.get("find_unused_parameters") else "deep"
     ours = dict(kwargs, algorithm=algorithm)
     _assert_ranks_equal(run_world(_train_both, world_size, name, 3, kwargs, ours))
-
-
-# in_place_mb=0: every gradient is reduced where it lies in .grad (normally
-# only those of 1 MiB and more), through unused parameters (find_unused),
-# accumulation under no_sync, non-power-of-two worlds and tiny buckets.
-@pytest.mark.parametrize("algorithm", ["ring", "tree", "halving_doubling", "auto"])
-@pytest.mark.parametrize("world_size, name, kwargs, accumulate", [
-    (2, "deep", {}, 1),
-    (3, "deep", {"bucket_cap_mb": 0.002}, 1),
-    (2, "branch", {"find_unused_parameters": True}, 1),
-    (2, "batchnorm", {}, 3),
-    (2, "alias", {}, 1)],
-    ids=["2-ranks", "3-ranks-tiny-buckets", "2-ranks-unused", "2-ranks-no-sync",
-         "2-ranks-shared-gradient-memory"])
-def test_gradients_reduced_in_place(algorithm, world_size, name, kwargs, accumulate):
-    ours = dict(kwargs, algorithm=algorithm, in_place_mb=0)
-    _assert_ranks_equal(run_world(_train_both, world_size, name, 3, kwargs, ours, None,
-                                  accumulate))
-
-
-def _count_write_backs(rank, world_size, settings, hook):
-    # The comm thread lingers after each job, as a descheduled thread does on a
-    # busy machine: whatever it still holds must not make a .grad look shared.
-    run = CommEngine._run
-    CommEngine._run = lambda *args: (run(*args), time.sleep(0.2))
-    counts = []
-    for kwargs in settings:
-        torch.manual_seed(0)
-        ddp = minddp.DDP(MODELS["deep"](), **kwargs)
-        if hook is not None:
-            ddp.register_comm_hook(None, hook)
-        original, written = ddp.reducer._write_grad, []
-        ddp.reducer._write_grad = lambda param, view: (written.append(param),
-                                                       original(param, view))
-        for step in range(2):
-            ddp(*batch("deep", rank, step)).square().mean().backward()
-        copied = [b for b in ddp.reducer.buckets if not ddp.reducer.in_place(b)]
-        counts.append((len(written), 2 * sum(len(b.params) for b in copied),
-                       2 * len(ddp.reducer.params)))
-    return counts
-
-
-def test_in_place_skips_the_write_back_only_where_it_may():
-    settings = [{"algorithm": "ring", "in_place_mb": 0},
-                {"algorithm": "auto", "in_place_mb": 0},
-                {"algorithm": "ring"},  # the default: 1 MiB, more than any of these
-                {"algorithm": "ring", "in_place_mb": None},
-                {"algorithm": "native", "in_place_mb": 0},
-                {"algorithm": "ring", "in_place_mb": 0, "gradient_as_bucket_view": True}]
-    (ring, auto, default, off, native, as_view), _ = run_world(_count_write_backs, 2, settings,
-                                                              None)
-    # (written back, expected to be, parameters x steps)
-    assert ring[:2] == (0, 0), ring
-    assert auto[0] == auto[1], f"auto: written back {auto[0]}, expected {auto[1]}"  # native copies
-    for name, counts in [("default", default), ("off", off), ("native", native),
-                         ("as_view", as_view)]:
-        assert counts[0] == counts[1] == counts[2], f"{name}: {counts}"
-    hooked, = run_world(_count_write_backs, 2, settings[:1], default_hooks.allreduce_hook)[0]
-    assert hooked[0] == hooked[2], f"a comm hook reduces the buffer, yet {hooked}"
 
 
 @pytest.mark.parametrize("name", ["batchnorm", "tied", "frozen"])

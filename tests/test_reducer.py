@@ -22,38 +22,26 @@ def test_buckets_fill_in_reverse_with_small_first_bucket():
     # 6 parameters of 0.5 MiB: the 1 MiB first bucket takes the last two,
     # then 2 MiB buckets take the rest, newest first.
     params = _params(*[(MiB // 8, torch.float32)] * 6)
-    assert buckets.assign(params, cap_bytes=2 * MiB) == [[5, 4], [3, 2, 1, 0]]
+    assert buckets.assign(params, buckets.caps(2 * MiB)) == [[5, 4], [3, 2, 1, 0]]
+
+
+def test_a_list_of_caps_gives_each_bucket_its_own():
+    # torch's bucket_cap_mb_list: bucket k closes at the k-th cap, later ones at the last.
+    params = _params(*[(MiB // 8, torch.float32)] * 8)
+    assert buckets.assign(params, [MiB // 2, MiB, 2 * MiB]) == \
+        [[7], [6, 5], [4, 3, 2, 1], [0]]
 
 
 def test_buckets_never_mix_dtypes_and_big_params_stand_alone():
     params = _params((10, torch.float32), (10, torch.float64), (MiB, torch.float32),
                      (10, torch.float64))
-    layout = buckets.assign(params, cap_bytes=MiB, first_cap_bytes=MiB)
+    layout = buckets.assign(params, [MiB])
     assert sorted(map(sorted, layout)) == [[0], [1, 3], [2]]
-    built = buckets.build(params, list("abcd"), cap_bytes=MiB, first_cap_bytes=MiB)
+    built = buckets.build(params, [MiB])
     for bucket in built:
         assert len({p.dtype for p in bucket.params}) == 1
         assert bucket.buffer.dtype == bucket.params[0].dtype
         assert bucket.buffer.numel() == sum(p.numel() for p in bucket.params)
-
-
-def test_large_parameters_go_last_and_make_their_own_pieces():
-    # Readiness order in the bucket is 4, 3, 2, 1, 0; the two of >= 1 MiB go last.
-    params = _params((10, torch.float32), (MiB // 4, torch.float32), (20, torch.float32),
-                     (MiB // 2, torch.float32), (30, torch.float32))
-    bucket, = buckets.build(params, list("abcde"), cap_bytes=8 * MiB, first_cap_bytes=8 * MiB,
-                            in_place_bytes=MiB)
-    assert bucket.indices == [4, 2, 0, 3, 1] and bucket.large == 2
-    grad = torch.ones(MiB // 4)
-    bucket.live[4] = grad
-    pieces = bucket.pieces()
-    assert [p.numel() for p in pieces] == [60, MiB // 2, MiB // 4]
-    assert pieces[0].data_ptr() == bucket.buffer.data_ptr()
-    assert pieces[1].data_ptr() == bucket.view(3).data_ptr()  # no live .grad: its slot
-    assert pieces[2].data_ptr() == grad.data_ptr()
-    plain, = buckets.build(params, list("abcde"), cap_bytes=8 * MiB, first_cap_bytes=8 * MiB)
-    assert plain.indices == [4, 3, 2, 1, 0] and plain.large == 0
-    assert [p.numel() for p in plain.pieces()] == [plain.buffer.numel()]
 
 
 def _grads_are_views(rank, world_size):
@@ -116,31 +104,24 @@ def test_parameter_no_rank_used_keeps_no_grad():
     assert run_world(_never_used, 2) == [(True, True), (True, True)]
 
 
-class _WaitProbe:
-    """A bucket's future that notes, when finalize waits on it, whether bucket 0's
-    gradients have already been written back."""
-
-    def __init__(self, future, ddp, seen):
-        self.future, self.ddp, self.seen = future, ddp, seen
-
-    def wait(self):
-        first = self.ddp.reducer.buckets[0]
-        self.seen.append(all(torch.equal(p.grad, first.view(i))
-                             for i, p in enumerate(first.params)))
-        return self.future.wait()
-
-
 def _write_back_order(rank, world_size):
     import torch.distributed as dist
     ddp = minddp.DDP(DeepNet(), bucket_cap_mb=0.002)
-    seen = []
+    seen, collect = [], ddp.reducer._collect
 
     def hook(state, bucket):
         work = dist.all_reduce(bucket.buffer().div_(world_size), async_op=True)
-        future = work.get_future().then(lambda f: f.value()[0])
-        return future if bucket.index() == 0 else _WaitProbe(future, ddp, seen)
+        return work.get_future().then(lambda f: f.value()[0])
+
+    def probe(b):  # finalize is about to wait for bucket b
+        first = ddp.reducer.buckets[0]
+        if b > 0:
+            seen.append(all(torch.equal(p.grad, first.view(i))
+                            for i, p in enumerate(first.params)))
+        return collect(b)
 
     ddp.register_comm_hook(None, hook)
+    ddp.reducer._collect = probe
     for step in range(2):
         ddp(*batch("deep", rank, step)).sum().backward()
     return len(ddp.reducer.buckets), seen

@@ -5,17 +5,19 @@ tensor`: an in-place sum over `group`, called by every rank of the group with
 a tensor of the same shape and dtype, returning the same tensor. `codec`
 (compression) routes every hop through encode/decode (see p2p.py); the
 backend's own all-reduce ("native") takes none, and also offers
-`all_reduce_async(tensor, group) -> Future`. `tensor` may also be a list of
-tensors of one dtype, reduced as their concatenation, each in place: our own
-algorithms run on the pieces where they lie (the wrapper's large gradients),
-native reduces a concatenated copy.
+`all_reduce_async(tensor, group) -> Future`.
 
     ring              reduce-scatter + all-gather, 2(p-1) steps, bandwidth-optimal
     tree              binary-tree reduce + broadcast, 2 log p steps, pipelined
     halving_doubling  recursive halving + doubling, 2 log p steps, bandwidth-optimal
     native            the backend's all-reduce (gloo / NCCL)
     auto              per bucket, the one the measured cost model predicts fastest
+
+`planner` turns a name (and a compression) into the wrapper's per-bucket job;
+this is the one place where names become code.
 """
+import functools
+
 import torch.distributed as dist
 
 from minddp.algorithms import auto, native
@@ -24,6 +26,8 @@ ALGORITHMS = {"auto": auto, **auto.CANDIDATES}
 
 # Names the wrapper accepts.
 CHOICES = tuple(ALGORITHMS)
+
+_choosers = {}  # (group, codec) -> auto.Chooser: wrappers on one group share its timings
 
 
 def resolve(algorithm):
@@ -34,35 +38,44 @@ def resolve(algorithm):
     return ALGORITHMS[algorithm]
 
 
-def planner(algorithm, group, codec=None):
-    """The wrapper's per-bucket job: `job(bucket, group) -> bucket or Future of it`.
+def runner(name, group, codec=None):
+    """`run(tensor) -> tensor or Future`: algorithm `name` summing over `group`.
 
-    Every rank of `group` must call it with the same arguments at the same
-    time: for "auto" it measures the links now (a collective). `codec` is
-    passed to every call (compression); "native" cannot take one.
+    `codec` (compression.Codec) goes on every hop of our own algorithms; the
+    backend's all-reduce cannot decode per hop, so "native" with a codec
+    compresses, sums in 16 bits and decompresses (compression.native_all_reduce).
+    """
+    if name == "native":
+        if codec is None:
+            return functools.partial(native.all_reduce_async, group=group)
+        from minddp import compression
+        return functools.partial(compression.native_all_reduce, group=group, codec=codec)
+    return functools.partial(resolve(name).all_reduce, group=group, codec=codec)
+
+
+def planner(algorithm, group, codec=None):
+    """The wrapper's per-bucket job: `job(bucket) -> bucket or Future of it`, a sum over `group`.
+
+    `job.setup(buffers)`, where present ("auto"), decides for each buffer's
+    size now: a collective (every rank, same buffers, same point of its
+    program), which times the candidates once per size, group and codec.
     """
     resolve(algorithm)
-    if codec is not None and algorithm == "native":
-        raise ValueError("minddp: algorithm='native' runs the backend's own all-reduce, which "
-                         "cannot route hops through a codec; use 'ring', 'tree', "
-                         "'halving_doubling' or 'auto' with compression.")
-    chooser = (auto.Chooser(group, with_native=codec is None, codec=codec)
-               if algorithm == "auto" else None)
+    if algorithm != "auto":
+        return runner(algorithm, group, codec)
+    # A codec rides on our own hops only: native is no candidate with one.
+    names = [n for n in auto.CANDIDATES if codec is None or n != "native"]
+    runs = {name: runner(name, group, codec) for name in names}
 
-    def pick(bucket):
-        return chooser.pick(bucket) if chooser is not None else algorithm
+    def chooser():
+        if (group, codec) not in _choosers:
+            _choosers[group, codec] = auto.Chooser(group, with_native=codec is None, codec=codec)
+        return _choosers[group, codec]
 
-    def job(bucket, group):
-        name = pick(bucket)
-        if name == "native":
-            return native.all_reduce_async(bucket, group)
-        return ALGORITHMS[name].all_reduce(bucket, group, codec=codec)
+    def job(bucket):
+        return runs[chooser().pick(bucket)](bucket)
 
-    job.__name__ = f"{algorithm}_all_reduce"
-    job.chooser = chooser  # auto: the wrapper has it decide for its buckets up front
-    # Whether a bucket of this size may come as a list of pieces in place
-    # (see p2p.run): our own algorithms, not the backend's, which needs a copy.
-    job.takes_pieces = lambda bucket: pick(bucket) != "native"
+    job.setup = lambda buffers: chooser().tune(buffers)
     return job
 
 

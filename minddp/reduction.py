@@ -1,0 +1,67 @@
+"""The seam between the reducer and everything that communicates.
+
+The reducer hands each full bucket, in index order, to one `Reduction` and
+knows nothing else about how it travels. Every way of reducing a bucket is
+one: minddp's all-reduce algorithms (ring, tree, halving-doubling, the
+backend's, auto, with or without compression) through `AlgorithmReduction`,
+and a communication hook written for torch's DDP through `HookReduction`.
+
+    reduction.prescaled        True: the reducer divides each gradient by the
+                               world size while copying it into the bucket
+                               (torch's built-in reduction does, and sums);
+                               False: the bucket holds plain sums and the
+                               reduction averages (torch's comm-hook contract)
+    reduction.setup(buffers)   once, on every rank together, before the first
+                               backward, with the bucket buffers in launch
+                               order (auto times its candidates on their sizes)
+    reduction.launch(bucket)   start reducing a GradBucket; returns a Future
+                               whose value is the averaged flat bucket (the
+                               buffer itself or a tensor of its size) on the
+                               bucket's device
+"""
+import torch
+
+
+class AlgorithmReduction:
+    """Sums each bucket on the communication engine with `job(tensor) -> tensor or
+    Future` (algorithms.planner), after the reducer has divided it."""
+
+    prescaled = True
+
+    def __init__(self, engine, job, name, timeline=None):
+        self.engine, self.job, self.timeline = engine, job, timeline
+        self.name = name  # for error messages: "algorithm 'ring'"
+
+    def setup(self, buffers):
+        setup = getattr(self.job, "setup", None)
+        if setup is not None:
+            # On the engine, so it keeps its place among other wrappers' traffic.
+            self.engine.run(setup, buffers, label="setup")
+
+    def launch(self, bucket):
+        buffer = bucket.buffer()
+        return self.engine.submit(self.job, buffer, label=f"comm b{bucket.index()}",
+                                  device=buffer.device, timeline=self.timeline)
+
+
+class HookReduction:
+    """A communication hook `hook(state, bucket) -> Future` as torch's DDP runs it."""
+
+    prescaled = False
+    name = "the communication hook"
+
+    def __init__(self, state, hook):
+        self.state, self.hook = state, hook
+
+    def setup(self, buffers):
+        pass
+
+    def launch(self, bucket):
+        future = self.hook(self.state, bucket)
+        if not isinstance(future, torch._C.Future):  # the base of torch.futures.Future
+            raise RuntimeError(
+                f"minddp: the communication hook {getattr(self.hook, '__name__', self.hook)!r} "
+                f"returned {type(future).__name__} for bucket {bucket.index()}; it must return "
+                f"a torch.futures.Future whose value is the reduced bucket (e.g. "
+                f"work.get_future() of an async all-reduce).")
+        return future

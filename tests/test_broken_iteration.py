@@ -1,0 +1,135 @@
+"""A backward that breaks on one rank, and wrapping a model again.
+
+The "skip the batch" loop: rank 0's backward raises once and every rank
+catches every error and goes on. Buckets pair by launch order alone, so if
+nothing noticed, rank 0's next iteration would pair with its peer's current
+one. The contract (torch's, made stronger): no rank ever returns from
+backward with a gradient that is not the true mean, and every rank raises a
+clear error within the process group's timeout.
+"""
+import copy
+import gc
+import time
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import minddp
+from dist_harness import run_world
+from models import DeepNet, batch
+
+PG_TIMEOUT = 20
+STEPS = 4
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    """Identity whose backward raises: a caught OOM or a NaN guard, in the loss."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected failure in the loss's backward")
+
+
+def _true_mean(model, world_size, step):
+    """Each parameter's mean gradient over every rank's batch, computed locally."""
+    model = copy.deepcopy(model)
+    model.zero_grad()
+    for r in range(world_size):
+        (model(*batch("deep", r, step)).square().mean() / world_size).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _skip_a_batch(rank, world_size, where):
+    torch.manual_seed(0)
+    ddp = minddp.DDP(DeepNet(), bucket_cap_mb=0.002, algorithm="ring")
+    assert len(ddp.reducer.buckets) > 4
+    if where == "model" and rank == 0:
+        # layers[6] lies mid-network: the buckets of the later layers go first
+        def fail_once(grad, fired=[]):
+            if not fired:
+                fired.append(True)
+                raise RuntimeError("injected failure in the model's backward")
+        ddp.module.layers[6].weight.register_hook(
+            lambda g: fail_once(g) if ddp.reducer.forwards == 2 else None)
+    outcomes = []
+    for step in range(STEPS):
+        ddp.zero_grad()
+        start = time.monotonic()
+        try:
+            loss = ddp(*batch("deep", rank, step)).square().mean()
+            if where == "loss" and rank == 0 and step == 1:
+                loss = _RaiseInBackward.apply(loss)
+            loss.backward()
+        except RuntimeError as e:
+            outcomes.append(("error", time.monotonic() - start, str(e)))
+            continue
+        want = _true_mean(ddp.module, world_size, step)
+        exact = all(torch.allclose(p.grad, w, rtol=1e-5, atol=1e-7)
+                    for p, w in zip(ddp.module.parameters(), want))
+        outcomes.append(("ok", exact))
+    # Stay a while, as a training loop would: the peer must learn of the
+    # break from the note, not from this process's exit closing connections.
+    time.sleep(3)
+    return outcomes
+
+
+@pytest.mark.parametrize("where", ["model", "loss"])
+def test_skip_a_batch_never_gives_wrong_gradients(where):
+    results = run_world(_skip_a_batch, 2, where, timeout=3 * PG_TIMEOUT, pg_timeout=PG_TIMEOUT)
+    for rank, outcomes in enumerate(results):
+        assert outcomes[0] == ("ok", True), f"rank {rank}, step 0: {outcomes[0]}"
+        for step, outcome in enumerate(outcomes[1:], start=1):
+            assert outcome[0] == "error", \
+                f"rank {rank}, step {step}: backward returned after the break: {outcome}"
+            _, seconds, message = outcome
+            assert seconds < PG_TIMEOUT, f"rank {rank}, step {step}: {seconds:.1f}s"
+            if rank == 0 and step == 1:
+                assert "injected failure" in message, message
+            else:
+                assert f"minddp (rank {rank})" in message, message
+    # What each rank was told, once the break was found.
+    if where == "model":
+        told = results[0][2][2]
+        assert "did not finish" in told and "never reduced" in told, told
+        told = results[1][1][2]
+        assert "rank 0 abandoned iteration 1" in told, told
+    else:
+        for rank in range(2):
+            told = results[rank][2 - rank][2]
+            assert "out of step" in told and "No gradient" in told, (rank, told)
+
+
+def _rewrap(rank, world_size, how):
+    torch.manual_seed(0)
+    model = DeepNet()
+    reference = TorchDDP(copy.deepcopy(model), bucket_cap_mb=0.002)
+    first = minddp.DDP(model, bucket_cap_mb=0.002, algorithm="ring")
+    for step in range(2):
+        for ddp in (reference, first):
+            ddp.zero_grad()
+            ddp(*batch("deep", rank, step)).square().mean().backward()
+    if how == "close":
+        first.close()
+    elif how == "context":
+        with first:
+            pass
+    else:
+        del first
+        gc.collect()
+    second = minddp.DDP(model, bucket_cap_mb=0.004, algorithm="tree")
+    for step in range(2, 4):
+        for ddp in (reference, second):
+            ddp.zero_grad()
+            ddp(*batch("deep", rank, step)).square().mean().backward()
+    return all(torch.equal(p.grad, q.grad)
+               for p, q in zip(reference.module.parameters(), second.module.parameters()))
+
+
+@pytest.mark.parametrize("how", ["close", "context", "garbage"])
+def test_rewrapping_a_model_trains_exactly(how):
+    assert run_world(_rewrap, 2, how) == [True, True]
