@@ -112,9 +112,16 @@ def native_all_reduce(tensor, group, codec):
     the next power of two >= world size so that the sum cannot overflow either.
     Every rank decodes the same summed values with that scale: results are
     bitwise equal across ranks. Non-float32 tensors are summed as they are.
+    `tensor` must be on a device the group's backend takes (NCCL: its CUDA
+    device, devices.group_device): the packed values and the scale that go on
+    the group are made from it, on its device.
     """
+    from minddp.algorithms import native
+
     if not codec.compresses(tensor):
-        dist.all_reduce(tensor, group=group)
+        return native.all_reduce(tensor, group)
+    if not tensor.is_contiguous():  # the kernels decode into contiguous tensors only
+        tensor.copy_(native_all_reduce(tensor.contiguous(), group, codec))
         return tensor
     packed, scale = codec.encode(tensor)
     common = scale.clone()

@@ -3,7 +3,8 @@
 Spawning a world is the slow part, so one world per world size runs every
 case (algorithms x sizes x dtypes, segmented runs, codecs, non-contiguous
 input, the send pattern) and returns what the parent checks. Inputs are small
-integers, so every sum is exact in every dtype, whatever the order.
+integers, so every sum is exact in every dtype, whatever the order. These run
+on gloo; NCCL's rules are tested through a strict double (test_backend_rules.py).
 """
 import contextlib
 import hashlib
@@ -87,31 +88,6 @@ def _check_sums(rank, world_size, algorithm, sizes, dtypes):
             assert torch.equal(tensor, expected), (
                 f"{algorithm}, {numel} x {dtype} on {world_size} ranks: rank {rank} got "
                 f"{tensor[:8].tolist()}..., expected {expected[:8].tolist()}...")
-
-
-def _check_pieces(rank, world_size, algorithm, noise):
-    """A list of tensors is reduced as their concatenation, each piece in place, and
-    bit for bit as the concatenated tensor would be (segments never span pieces)."""
-    module = algorithms.ALGORITHMS[algorithm]
-    sizes = [0, 1, 70, 5, 33]  # with 64-byte segments: pieces of 1 to 5 segments
-    for dtype in (torch.float32, torch.int64):
-        whole = _values(rank, sum(sizes), dtype)
-        pieces = [part.clone() for part in whole.split(sizes)]
-        out = module.all_reduce(pieces, None)
-        assert out is pieces and all(t.data_ptr() == p.data_ptr() for t, p in zip(out, pieces))
-        got = torch.cat(pieces)
-        assert torch.equal(got, _expected(world_size, sum(sizes), dtype)), (
-            f"{algorithm} on pieces {sizes} of {dtype}: rank {rank} got {got.tolist()}")
-    pieces = [part.clone() for part in _values(rank, sum(sizes), torch.float32).split(sizes)]
-    module.all_reduce(pieces, None, codec=_IdentityCodec())
-    assert torch.equal(torch.cat(pieces), _expected(world_size, sum(sizes), torch.float32))
-    if world_size > 1:
-        with pytest.raises(ValueError, match="mix dtypes"):
-            module.all_reduce([torch.ones(3), torch.ones(3, dtype=torch.int64)], None)
-    pieces = [part.clone() for part in noise.split([4000, 99])]
-    module.all_reduce(pieces, None)
-    assert _digest(torch.cat(pieces)) == _digest(minddp.all_reduce(noise.clone(), algorithm)), (
-        f"{algorithm}: pieces summed differently from the whole tensor")
 
 
 @contextlib.contextmanager
@@ -198,13 +174,14 @@ def _grid(rank, world_size):
         # (Not torch.testing.assert_close: its first call imports sympy, seconds per rank.)
         error = (lossy - minddp.all_reduce(noise.clone(), algorithm)).abs().max().item()
         assert error < 0.05 * world_size, f"{algorithm} with an fp16 codec: error {error}"
-        _check_pieces(rank, world_size, algorithm, noise)
     p2p.SEGMENT_BYTES, tree.SEGMENT_BYTES, p2p.WINDOW_BYTES = default_segments
     for algorithm in OURS:  # and in one segment (the tree's own path for it)
         digests[algorithm + " one segment"] = _digest(minddp.all_reduce(noise.clone(), algorithm))
-    job = algorithms.planner("auto", dist.group.WORLD, codec=_IdentityCodec())
+    chooser = auto.Chooser(dist.group.WORLD, with_native=False, codec=_IdentityCodec())
     tensor = _values(rank, 4099, torch.float32)
-    assert torch.equal(job(tensor), _expected(world_size, 4099, torch.float32))
+    name = chooser.pick(tensor)
+    algorithms.ALGORITHMS[name].all_reduce(tensor, dist.group.WORLD, codec=_IdentityCodec())
+    assert torch.equal(tensor, _expected(world_size, 4099, torch.float32)), name
     for algorithm in OURS + ["auto"]:
         base = _values(rank, 6 * (world_size + 3), torch.float32).reshape(6, -1)
         minddp.all_reduce(base.t()[::2], algorithm)  # non-contiguous view: every other column
@@ -320,16 +297,14 @@ class _PostingGroup:
         return types.SimpleNamespace(wait=lambda: True)
 
 
-@pytest.mark.parametrize("backend", ["gloo", "nccl"])
-def test_receive_posting_order(backend, monkeypatch):
+def test_receive_posting_order_on_gloo(monkeypatch):
     # A window of two segments; five adds (tag 1), then sets: two of tag 2,
-    # one of tag 1. On gloo (matched by peer and tag) the tag-2 sets go up as
-    # soon as the window is full, the tag-1 set keeps its place behind the
-    # adds; on NCCL (matched by posting order alone) every receive keeps it.
+    # one of tag 1. gloo matches by peer and tag, so the tag-2 sets go up as
+    # soon as the window is full; the tag-1 set keeps its place behind the adds.
     monkeypatch.setattr(p2p, "WINDOW_BYTES", 128)
     group = _PostingGroup()
     flat = torch.zeros(16 * 8)
-    link = p2p.Link("ring", [flat], group, None, 64, 0, 2, backend)
+    link = p2p.Link("ring", flat, group, None, 64, 0, 2, "gloo")
     views = link.segments(0, flat.numel())
     recvs = ([(1, views[i], "add", 1) for i in range(5)] +
              [(1, views[5], "set", 2), (1, views[6], "set", 2), (1, views[7], "set", 1)])
@@ -339,17 +314,36 @@ def test_receive_posting_order(backend, monkeypatch):
     posted = [into.get(ptr, f"add{tag}") for tag, ptr in group.received]
     assert all(tag == (1 if name in ("add1", "set7") else 2)
                for (tag, _), name in zip(group.received, posted)), group.received
-    if backend == "gloo":
-        assert posted == ["add1", "add1", "set5", "set6", "add1", "add1", "add1", "set7"]
-    else:
-        assert posted == ["add1"] * 5 + ["set5", "set6", "set7"]
+    assert posted == ["add1", "add1", "set5", "set6", "add1", "add1", "add1", "set7"]
 
 
-def test_refuses_sparse_and_unknown_names():
+def test_rounds_under_nccl_rules(monkeypatch):
+    # NCCL's rules: whole chunks (no segments), one group per round, each
+    # round's receives in list order beside that round's sends, and what
+    # forward returns for a receive of round k goes in round k + 1.
+    groups = []
+    monkeypatch.setattr(p2p.dist, "P2POp", lambda op, t, group, group_peer, tag: (
+        op.__name__, group_peer, tag, t.data_ptr()))
+    monkeypatch.setattr(p2p.dist, "batch_isend_irecv",
+                        lambda ops: groups.append(ops) or [types.SimpleNamespace(wait=bool)])
+    flat = torch.zeros(40)
+    link = p2p.Link("ring", flat, object(), None, 64, 0, 2, "nccl")
+    assert link.segments(0, 40) == [flat] and len(link.segments(10, 30)) == 1
+    a, b, c = flat[:10], flat[10:20], flat[20:30]
+    recvs = [(1, a, "add", 1), (1, b, "set", 2), (1, c, "set", 2)]
+    link.exchange([(1, flat[30:], 7)], recvs, forward=lambda i, _: [(1, a, 9)] if i == 0 else [],
+                  recv_rounds=[0, 2, 2])
+    names = [[(op, tag) for op, _, tag, _ in ops] for ops in groups]
+    assert names == [[("isend", 7), ("irecv", 1)], [("isend", 9)],
+                     [("irecv", 2), ("irecv", 2)]], names
+    assert [ptr for *_, ptr in groups[2]] == [b.data_ptr(), c.data_ptr()]  # straight into place
+
+
+def test_refuses_sparse_lists_and_unknown_names():
     with pytest.raises(TypeError, match="dense"):
         p2p.run("ring", None, torch.eye(3).to_sparse(), _FakeGroup(2))
-    with pytest.raises(ValueError, match="not contiguous"):
-        p2p.run("ring", None, [torch.ones(2), torch.eye(3).t()[:, :2]], _FakeGroup(2))
+    with pytest.raises(TypeError, match="one tensor"):
+        p2p.run("ring", None, [torch.ones(2), torch.ones(3)], _FakeGroup(2))
     with pytest.raises(ValueError, match="choose one of"):
         minddp.all_reduce(torch.ones(2), algorithm="butterfly")
 
@@ -365,7 +359,8 @@ class _FakeGroup:
         return 0
 
 
-def test_cost_model_fit_and_choice(caplog):
+def test_cost_model_fit_and_choice(caplog, monkeypatch):
+    monkeypatch.setattr(p2p, "runs_on", lambda group: True)  # a fake group has no backend
     sizes = [4, 1 << 10, 1 << 16, 1 << 20]
     alpha, beta = cost_model.fit(sizes, [50e-6 + s * 1e-9 for s in sizes])
     assert alpha == pytest.approx(50e-6) and beta == pytest.approx(1e-9)
@@ -471,7 +466,7 @@ def _measure_through_spells(rank, world_size, spells):
     # large ones (a busy spell), later ones see a sane link.
     calls = []
 
-    def interleaved(fns, repeats, group=None):
+    def interleaved(fns, repeats, group=None, device=None):
         calls.append(len(fns))
         busy = (len(calls) - 1) // 3 < spells  # three timing rounds per attempt
         if len(fns) == 3:  # small ring, small tree, small native

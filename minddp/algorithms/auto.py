@@ -15,11 +15,13 @@ round's best, in the median over rounds. That costs a few dozen all-reduces
 of each candidate once per size (about 1.2 s for a 25 MiB bucket on 2 CPU
 ranks; candidates predicted over 3x slower are skipped; 2.2 s in all for the
 benchmark's transformer, 2.8 s for its MLP) and makes every rank pick the
-same algorithm. In the wrapper, native is timed
-with one more copy: that of the bucket's gradients our algorithms reduce in
-place (reducer.py), which native's result has to be copied back into. Each
-choice is logged once at debug level (logger "minddp.algorithms") with the
-predicted and measured times.
+same algorithm. Each choice is logged once at debug level (logger
+"minddp.algorithms") with the predicted and measured times.
+
+Only candidates the group's backend can run take part (`runnable`): the
+backend's own all-reduce always, our send/recv algorithms where p2p.py knows
+the backend's rules (p2p.runs_on). Every tensor the timing puts on the group
+is on the group's device (devices.group_device).
 """
 import logging
 import random
@@ -28,7 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from minddp.algorithms import cost_model, halving_doubling, native, ring, tree
+from minddp import devices
+from minddp.algorithms import cost_model, halving_doubling, native, p2p, ring, tree
 
 log = logging.getLogger("minddp.algorithms")
 
@@ -51,34 +54,31 @@ class Chooser:
 
     def __init__(self, group, with_native=True, costs=None, codec=None, timed=True):
         self.group, self.p, self.codec, self.timed = group, group.size(), codec, timed
-        self.costs = costs if costs is not None or self.p == 1 else _costs_of(group)
         # A codec can only ride on our own hops, not inside the backend's all-reduce.
-        self.names = [n for n in CANDIDATES if with_native or n != "native"]
+        self.names = [n for n in runnable(group) if with_native or n != "native"]
+        if not self.names:
+            raise ValueError(f"minddp auto (rank {group.rank()}): no algorithm can run on the "
+                             f"{devices.backend_of(group)!r} backend with compression (its "
+                             f"point-to-point rules are not known, see p2p.runs_on); use "
+                             f"compression=None.")
+        alone = self.p == 1 or len(self.names) == 1  # nothing to measure
+        self.costs = costs if costs is not None or alone else _costs_of(group)
         self._picked = {}
 
-    def tune(self, tensors, copied=None):
-        """Decide now for each tensor's size (a collective: every rank, same tensors).
+    def tune(self, tensors):
+        """Decide now for each tensor's size (a collective: every rank, same tensors)."""
+        for tensor in tensors:
+            self.pick(tensor)
 
-        `copied[i]`: bytes of tensor i that native would have to copy back and
-        our algorithms would not (the wrapper's gradients reduced in place):
-        native is timed with that copy added.
-        """
-        for tensor, extra in zip(tensors, copied or [0] * len(tensors)):
-            self.pick(tensor, extra)
-
-    def pick(self, tensor, copied=0):
-        """The algorithm for `tensor`'s size (a tensor, or a list of pieces: their total).
-
-        A size is decided once, the first time it comes up (see `tune` for `copied`).
-        """
+    def pick(self, tensor):
+        """The algorithm for `tensor`'s size, decided once, the first time it comes up."""
         # Later calls cost one lookup: at 4 B a call is ~0.3 ms, all overhead,
         # and a few microseconds of Python here showed as 5-10% of it.
-        nbytes = (tensor.nbytes if isinstance(tensor, torch.Tensor)
-                  else sum(t.nbytes for t in tensor))
+        nbytes = tensor.nbytes
         picked = self._picked.get(nbytes)
         if picked is not None:
             return picked
-        if self.costs is None:  # a world of one
+        if self.costs is None:  # a world of one, or a single candidate
             self._picked[nbytes] = self.names[0]
             return self.names[0]
         predicted = {n: cost_model.predict(n, nbytes, self.p, self.costs) for n in self.names}
@@ -88,27 +88,24 @@ class Chooser:
             # tens of percent, not 3x, and each round would cost the most.
             best = min(predicted.values())
             timed = [n for n in self.names if predicted[n] <= max(3 * best, 5e-3)]
-            dtype, device = _kind_of(tensor)
-            times = self._time(nbytes // dtype.itemsize, dtype, device, timed,
-                               sum(predicted[n] for n in timed), copied // dtype.itemsize)
+            times = self._time(tensor.numel(), tensor.dtype, tensor.device, timed,
+                               sum(predicted[n] for n in timed))
             measured = {n: times[i].median().item() for i, n in enumerate(timed)}
             self._picked[nbytes] = _fastest(times, timed)
         else:
             measured = {}
             self._picked[nbytes] = min(self.names, key=predicted.__getitem__)
-        log.debug("minddp auto on %d ranks: %d-byte bucket (%d in place) -> %s (predicted "
-                  "%s%s)", self.p, nbytes, copied, self._picked[nbytes],
+        log.debug("minddp auto on %d ranks: %d-byte bucket -> %s (predicted %s%s)",
+                  self.p, nbytes, self._picked[nbytes],
                   ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in predicted.items()),
                   "; measured " + ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in measured.items())
                   if measured else "")
         return self._picked[nbytes]
 
-    def _time(self, numel, dtype, device, names, predicted_round, copied=0):
+    def _time(self, numel, dtype, device, names, predicted_round):
         """Seconds of each of `names` (rows) per round (columns) on a scratch tensor
-        of that size, the slowest rank's, the same on every rank; native's with a
-        copy of `copied` elements after it."""
+        of that size on `device`, the slowest rank's, the same on every rank."""
         scratch = torch.zeros(numel, dtype=dtype, device=device)
-        copy_to = torch.empty(copied, dtype=dtype, device=device)
         # Rounds: as many as fit in ~0.4 s by the model's account, MIN_ROUNDS
         # to 50. Small buckets take well under a millisecond, about as long as
         # the machine's hiccups, so they get the most rounds. A fresh order
@@ -116,32 +113,26 @@ class Chooser:
         # a call (a socket buffer still full, a cold cache), and a fixed
         # rotation would give each candidate the same predecessor every time.
         rounds = max(MIN_ROUNDS, min(50, int(0.4 / max(predicted_round, 1e-9))))
-        times = torch.zeros(len(names), rounds, dtype=torch.float64)
+        times = torch.zeros(len(names), rounds, dtype=torch.float64, device="cpu")
         for r in range(rounds + 1):  # round 0 warms up: connections, buffers
             order = random.Random(r).sample(names, len(names))
             for name in order:
-                dist.barrier(group=self.group)
+                devices.barrier(self.group)
                 start = time.perf_counter()
                 self._run(name, scratch)
-                if name == "native" and copied:
-                    copy_to.copy_(scratch[:copied])
                 if scratch.is_cuda:
                     torch.cuda.synchronize(scratch.device)
                 if r:
                     times[names.index(name), r - 1] = time.perf_counter() - start
-        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)  # the slowest rank
-        return times
+        # The slowest rank's, agreed on the group's device (the CPU on gloo: no copy).
+        agreed = times.to(devices.group_device(self.group))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        return agreed.cpu()
 
     def _run(self, name, tensor):
         if name == "native":
             return native.all_reduce(tensor, self.group)
         return CANDIDATES[name].all_reduce(tensor, self.group, codec=self.codec)
-
-
-def _kind_of(tensor):
-    """(dtype, device) of a tensor, or of a list of pieces (they share both)."""
-    first = tensor if isinstance(tensor, torch.Tensor) else tensor[0]
-    return first.dtype, first.device
 
 
 # Fewer rounds than 24 made large sizes a coin toss: 8 rounds (all that
@@ -181,6 +172,11 @@ def _fastest(times, names):
     the first in `names` on a tie."""
     scores = _relative(times, names)
     return min(names, key=scores.__getitem__)
+
+
+def runnable(group):
+    """The names in CANDIDATES that `group`'s backend can run, in CANDIDATES' order."""
+    return [n for n in CANDIDATES if n == "native" or p2p.runs_on(group)]
 
 
 def _costs_of(group):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from minddp import devices
 from minddp.algorithms import ring, tree
 
 log = logging.getLogger("minddp.algorithms")
@@ -105,29 +106,33 @@ def _measure_once(group, repeats):
     ours, so a busy moment slows both alike.
     """
     p = group.size()
-    small, large = torch.zeros(SMALL // 4), torch.zeros(LARGE // 4)
+    # Every tensor on the group's device: that is where the buckets will be.
+    device = devices.group_device(group)
+    small = torch.zeros(SMALL // 4, device=device)
+    large = torch.zeros(LARGE // 4, device=device)
     ring_small, tree_small, native_small = _interleaved(
         [lambda: ring.all_reduce(small, group), lambda: tree.all_reduce(small, group),
-         lambda: dist.all_reduce(small, group=group)], repeats[0], group)
+         lambda: dist.all_reduce(small, group=group)], repeats[0], group, device)
     alpha = ring_small / (2 * (p - 1))
     hop = tree_small / max(1, tree.hops(p))
     # A private generator: measuring must not move the user's RNG (dropout masks).
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.rand(LARGE // 4, generator=g), torch.rand(LARGE // 4, generator=g)
-    gamma = _interleaved([lambda: a.add_(b)], repeats[1])[0] / LARGE
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.rand(LARGE // 4, generator=g, device=device)
+    b = torch.rand(LARGE // 4, generator=g, device=device)
+    gamma = _interleaved([lambda: a.add_(b)], repeats[1], device=device)[0] / LARGE
     ring_large, native_large = _interleaved([lambda: ring.all_reduce(large, group),
                                              lambda: dist.all_reduce(large, group=group)],
-                                            repeats[1], group)
+                                            repeats[1], group, device)
     share = (p - 1) / p * LARGE
     beta = max(0.0, (ring_large - 2 * (p - 1) * alpha - share * gamma) / (2 * share))
     native_alpha, native_beta = fit((SMALL, LARGE), (native_small, native_large))
     agreed = torch.tensor([alpha, hop, beta, gamma, native_alpha, native_beta],
-                          dtype=torch.float64)
+                          dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     return Costs(*agreed.tolist())
 
 
-def _interleaved(fns, repeats, group=None):
+def _interleaved(fns, repeats, group=None, device=None):
     """Lower-quartile seconds of each fn, run in turns after one untimed warm-up round.
 
     The lower quartile, not the median: busy spells only ever slow calls down,
@@ -135,15 +140,19 @@ def _interleaved(fns, repeats, group=None):
     (a 64 B all-reduce: 0.4 ms, then 3 ms for a run of calls), long enough to
     cover half of a measurement. With a group, every call starts after a
     barrier: otherwise a rank that left the previous call early would time its
-    wait for the others.
+    wait for the others. On a CUDA `device` each call is timed to the end of
+    the work it queued.
     """
     times = [[] for _ in fns]
+    synchronize = device is not None and device.type == "cuda"
     for rep in range(repeats + 1):
         for fn, mine in zip(fns, times):
             if group is not None:
-                dist.barrier(group=group)
+                devices.barrier(group)
             start = time.perf_counter()
             fn()
+            if synchronize:
+                torch.cuda.synchronize(device)
             if rep:
                 mine.append(time.perf_counter() - start)
     return [sorted(t)[len(t) // 4] for t in times]

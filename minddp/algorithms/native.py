@@ -4,7 +4,6 @@ Cost: whatever the backend does; it is the baseline every other algorithm is
 measured against. It is asynchronous: the backend queues the work on its own
 threads, so several buckets can be in flight at once.
 """
-import torch
 import torch.distributed as dist
 
 
@@ -25,11 +24,6 @@ def _result_or_raise(tensor):
 
 def all_reduce(tensor, group):
     """In-place sum of `tensor` over `group` (every rank calls it); returns the tensor."""
-    if isinstance(tensor, (list, tuple)):  # pieces (p2p.run): the backend needs one tensor
-        flat = all_reduce(torch.cat([t.reshape(-1) for t in tensor]), group)
-        for t, part in zip(tensor, flat.split([t.numel() for t in tensor])):
-            t.copy_(part.view_as(t))
-        return tensor
     if not tensor.is_contiguous():  # gloo would reduce the wrong elements of a strided view
         tensor.copy_(all_reduce(tensor.contiguous(), group))
         return tensor

@@ -2,27 +2,45 @@
 
 An algorithm is a function `body(link)` that moves slices of one flat tensor
 between ranks with `link.exchange(sends, recvs, mode)`; `run()` prepares that
-flat tensor and the link. The flat tensor may come in pieces (a list of 1-D
-tensors, reduced as if concatenated): the wrapper hands over large gradients
-where they lie in `.grad`, so they need no copy into a bucket and back.
-Everything the algorithms would otherwise repeat lives here:
+flat tensor and the link. Everything the algorithms would otherwise repeat
+lives here:
 - chunking (`chunk_bounds`) and segmenting (`link.segments`): large chunks are
   cut into segments so the reduction of one overlaps the transfer of the next;
 - the codec hook: every hop goes through `link.wire` / `exchange` (encode,
   decode_add_, decode_), or plain tensors when there is no codec;
 - staging: CUDA tensors on a gloo group are reduced in a pinned CPU copy
-  (gloo's send/recv take CPU tensors only); NCCL groups use their own p2p;
+  (gloo's send/recv take CPU tensors only);
 - reused scratch buffers (no allocation per call for plain tensors), and a
   window of them for receives to add (WINDOW_BYTES per peer, cache-warm);
 - waits bounded by the process group's timeout, and errors that name the
   algorithm, this rank and the peer it was waiting for;
-- lanes (lanes.py): on gloo, messages to a higher rank go on the group, to a
-  lower one on its reverse lane, so no connection carries data both ways.
+- the backend's matching rules, below.
+
+Two sets of rules, chosen by the group's backend:
+- gloo matches a message to the first receive posted for its peer and tag,
+  and a send or receive proceeds on its own. Messages go out one by one as
+  soon as they are ready (a pipeline), on lanes (lanes.py): to a higher rank
+  on the group, to a lower one on its reverse lane, so no connection carries
+  data both ways.
+- NCCL's rules (devices.DEVICE_BACKENDS): tensors on the group's device,
+  matching by posting order per peer (tags ignored), and calls outside a group
+  run one after another on one stream (those with one peer always; those with
+  all peers when torch reuses the group's communicator, as it does for a
+  group made with a device_id), so a rank that sends and receives at once must
+  post both in one group (dist.batch_isend_irecv). An exchange then
+  runs in rounds: each round is one group holding every message of that
+  round, posted once the previous round has finished, and a message's send
+  and its receive sit in the same round on both ranks (the algorithms label
+  them: `send_round`, `recv_rounds`). A group then waits only on groups its
+  peers post at the same point of their programs, never on one they post
+  after a group of their own that waits on it. Chunks are not segmented
+  there: a round moves whole chunks, and NCCL cuts them itself.
+Other backends are refused (`runs_on`): their matching rules are not known here.
 
 Ordering, not tags, keeps buckets apart: one thread per process group runs
 the calls in the same order on every rank and messages between two ranks with
-one tag arrive in order. Each phase has its own tag, so ranks that disagree
-on what they are doing time out with an error instead of mixing data.
+one tag arrive in order. Each phase has its own tag, so on gloo ranks that
+disagree on what they are doing time out with an error instead of mixing data.
 
 The codec protocol (compression): `encode(chunk) -> list[Tensor]` (the wire),
 `decode_add_(dst, wire)` (dst += decoded), `decode_(dst, wire)` (dst =
@@ -37,6 +55,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from minddp import devices
 from minddp.algorithms import lanes
 
 # Segment size: big enough that the per-message cost is small, small enough
@@ -65,33 +84,30 @@ def chunk_bounds(numel, parts):
     return bounds
 
 
+def runs_on(group):
+    """Whether these algorithms can run on `group`'s backend: gloo, or one with NCCL's rules."""
+    return devices.backend_of(group) == "gloo" or devices.is_device_backend(group)
+
+
 def run(algorithm, body, tensor, group, codec=None, segment_bytes=None):
     """Sum `tensor` in place over `group` with `body(link)`; return the tensor.
 
     Every rank of the group must call it with a tensor of the same shape and
-    dtype. Non-contiguous tensors are reduced through a contiguous copy.
-    `tensor` may also be a list of contiguous tensors of one dtype and device,
-    summed as one flat tensor in pieces: every rank must give the same sizes.
-    `segment_bytes` defaults to SEGMENT_BYTES. The first call on a gloo group
-    ends by opening the group's reverse lane (lanes.py), on every rank alike.
+    dtype; on a backend with NCCL's rules, on the group's device
+    (devices.group_device). Non-contiguous tensors are reduced through a
+    contiguous copy. `segment_bytes` defaults to SEGMENT_BYTES. The first call
+    on a gloo group ends by opening the group's reverse lane (lanes.py), on
+    every rank alike.
     """
     group = group if group is not None else dist.group.WORLD
-    whole = not isinstance(tensor, (list, tuple))
-    if whole:
-        _check_dense(tensor, algorithm, group)
-        pieces = [tensor] if tensor.numel() else []
-    else:
-        pieces = [piece for piece in (_piece(t, algorithm, group) for t in tensor)
-                  if piece.numel()]
-    rank, size, backend = _membership(group)
-    if size == 1 or not pieces:
+    _check_dense(tensor, algorithm, group)
+    rank, size, backend = _membership(group, algorithm)
+    if size == 1 or tensor.numel() == 0:
         return tensor
-    if whole:
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        pieces = [_flat(work)]
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
     opened = lanes.is_open(group)
-    _reduce(algorithm, body, pieces, group, codec, segment_bytes, rank, size, backend)
-    if whole and work is not tensor:
+    _reduce(algorithm, body, _flat(work), group, codec, segment_bytes, rank, size, backend)
+    if work is not tensor:
         tensor.copy_(work)
     if not opened:
         lanes.open_lanes(group)
@@ -99,20 +115,14 @@ def run(algorithm, body, tensor, group, codec=None, segment_bytes=None):
 
 
 def _check_dense(tensor, algorithm, group):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"minddp {algorithm} all-reduce (rank {group.rank()}): got "
+                        f"{type(tensor).__name__}; it reduces one tensor (torch.cat a list "
+                        f"first).")
     if tensor.layout != torch.strided:
         raise TypeError(f"minddp {algorithm} all-reduce (rank {group.rank()}): the tensor has "
                         f"layout {tensor.layout}; only dense tensors can be reduced, call "
                         f".to_dense() first.")
-
-
-def _piece(tensor, algorithm, group):
-    """One piece of a tensor list as a 1-D view; pieces must be contiguous."""
-    _check_dense(tensor, algorithm, group)
-    if not tensor.is_contiguous():
-        raise ValueError(f"minddp {algorithm} all-reduce (rank {group.rank()}): a piece of a "
-                         f"tensor list is not contiguous; pass contiguous tensors "
-                         f"(.contiguous()).")
-    return _flat(tensor)
 
 
 def _flat(tensor):
@@ -120,68 +130,44 @@ def _flat(tensor):
     return tensor if tensor.dim() == 1 else tensor.view(-1)
 
 
-def _reduce(algorithm, body, pieces, group, codec, segment_bytes, rank, size, backend):
-    if len(pieces) > 1:
-        _check_alike(algorithm, pieces, rank)
-    staged = pieces if pieces[0].is_cuda and backend == "gloo" else None
-    if staged:
+def _reduce(algorithm, body, flat, group, codec, segment_bytes, rank, size, backend):
+    staged = flat if flat.is_cuda and backend == "gloo" else None
+    if staged is not None:
         # gloo sends CPU tensors only: reduce a pinned CPU copy, then copy back.
-        numel = sum(p.numel() for p in pieces)
-        pieces = [_scratch(numel, pieces[0].dtype, torch.device("cpu"), "stage", pinned=True)]
-        for start, piece in _placed(staged):
-            pieces[0][start:start + piece.numel()].copy_(piece)
-    body(Link(algorithm, pieces, group, codec, segment_bytes or SEGMENT_BYTES, rank, size,
+        flat = _scratch(staged.numel(), staged.dtype, torch.device("cpu"), "stage", pinned=True)
+        flat.copy_(staged)
+    elif backend != "gloo" and flat.device != devices.group_device(group):
+        raise ValueError(f"minddp {algorithm} all-reduce (rank {rank}): the tensor is on "
+                         f"{flat.device}, but a {backend} group takes tensors on "
+                         f"{devices.group_device(group)} only; move it there (or call "
+                         f"torch.cuda.set_device for the device this rank drives).")
+    body(Link(algorithm, flat, group, codec, segment_bytes or SEGMENT_BYTES, rank, size,
               backend))
-    if staged:
-        for start, piece in _placed(staged):
-            piece.copy_(pieces[0][start:start + piece.numel()])
-
-
-def _check_alike(algorithm, pieces, rank):
-    dtypes, devices = {p.dtype for p in pieces}, {p.device for p in pieces}
-    if len(dtypes) > 1 or len(devices) > 1:
-        raise ValueError(f"minddp {algorithm} all-reduce (rank {rank}): the pieces of a "
-                         f"tensor list mix dtypes {sorted(map(str, dtypes))} or devices "
-                         f"{sorted(map(str, devices))}; reduce each kind separately.")
-
-
-def _placed(pieces):
-    """(offset in the concatenation, piece) for each piece."""
-    start = 0
-    for piece in pieces:
-        yield start, piece
-        start += piece.numel()
+    if staged is not None:
+        staged.copy_(flat)
 
 
 class Link:
-    """One all-reduce call as seen by one rank: its flat tensor (in pieces), peers and codec."""
+    """One all-reduce call as seen by one rank: its flat tensor, peers and codec."""
 
-    def __init__(self, algorithm, pieces, group, codec, segment_bytes, rank, size, backend):
+    def __init__(self, algorithm, flat, group, codec, segment_bytes, rank, size, backend):
         self.algorithm, self.group, self.codec = algorithm, group, codec
         self.reverse = lanes.reverse(group)  # carries messages to lower ranks
-        # gloo matches a message to the first receive posted for its peer and
-        # tag; NCCL ignores tags and goes by posting order alone.
-        self.by_tag = backend == "gloo"
-        self.pieces = pieces  # 1-D, contiguous, one dtype; concatenated they are the tensor
-        self.flat = pieces[0] if len(pieces) == 1 else None
+        # gloo's rules, or NCCL's (every other backend runs_on accepts).
+        self.grouped = backend != "gloo"
+        self.flat = flat  # 1-D, contiguous
         self.rank, self.size = rank, size
-        self.numel = self.flat.numel() if self.flat is not None else sum(p.numel() for p in pieces)
-        self.itemsize = pieces[0].element_size()
+        self.numel, self.itemsize = flat.numel(), flat.element_size()
         # Segments are sized by what travels: compressed, twice the elements.
-        wire_size = codec.wire_itemsize(pieces[0].dtype) if codec is not None else self.itemsize
-        self.segment = max(1, segment_bytes // wire_size)
+        wire_size = codec.wire_itemsize(flat.dtype) if codec is not None else self.itemsize
+        self.segment = max(1, self.numel if self.grouped else segment_bytes // wire_size)
 
     def segments(self, start, end):
-        """Views of the flat tensor's [start, end) cut into segments (a segment never
-        spans two pieces); an empty range gives no segment."""
-        if self.flat is not None and start == 0 and end == self.numel <= self.segment:
+        """Views of the flat tensor's [start, end) cut into segments; an empty range
+        gives no segment."""
+        if start == 0 and end == self.numel <= self.segment:
             return [self.flat]  # the common small bucket: no slicing (each costs ~1 us)
-        views = []
-        for base, piece in _placed(self.pieces):
-            lo, hi = max(start, base), min(end, base + piece.numel())
-            views += [piece[s - base:min(s + self.segment, hi) - base]
-                      for s in range(lo, hi, self.segment)]
-        return views
+        return [self.flat[s:min(s + self.segment, end)] for s in range(start, end, self.segment)]
 
     def wire(self, view, final=False, plain=False):
         """What goes on the wire for `view`: the view itself, or the codec's encoding.
@@ -197,7 +183,8 @@ class Link:
             self.codec.decode_(view, wire)
         return wire
 
-    def exchange(self, sends, recvs, mode=None, tag=None, plain=False, forward=None):
+    def exchange(self, sends, recvs, mode=None, tag=None, plain=False, forward=None,
+                 send_round=0, recv_rounds=None):
         """Post the receives and the sends; combine each receive as it lands, in order.
 
         sends: [(peer, payload)] or [(peer, payload, tag)]. A payload is a view
@@ -211,21 +198,38 @@ class Link:
         sends to post at once: a pipeline, in which a segment moves on as soon
         as it is ready instead of after the whole step.
 
-        "add" receives land in reused buffers, WINDOW_BYTES per peer in flight:
-        they stay in cache, where the kernel writes the data and the add reads
-        it (a buffer per segment measured 1.5x the kernel's copy time).
-        Receives are posted in list order (gloo matches a message to the
-        first receive posted for its peer and tag, NCCL to the first posted
-        for its peer), except that on gloo a "set" whose peer and tag no
-        "add" shares goes up as soon as the window blocks, rather than behind
-        it. "set" receives go straight into place or,
-        with a codec, into wires of their own. Returns the received wires in
-        `recvs` order (None for "add"), to forward. Blocks until all are done.
+        Under NCCL's rules the messages go in rounds (module docstring): the
+        sends given here in round `send_round`, receive i in round
+        `recv_rounds[i]` (default: all in round 0), and what forward returns
+        for a receive in round k, in round k + 1. A receive's round must be
+        the round in which its peer posts the matching send. gloo ignores
+        the rounds.
+
+        "set" receives go straight into place or, with a codec, into wires of
+        their own; "add" receives land in reused buffers. Returns the
+        received wires in `recvs` order (None for "add"), to forward. Blocks
+        until all are done.
         """
         if not sends and not recvs:
             return []
         codec = None if plain else self.codec
         recvs = [item if len(item) == 4 else (*item, mode, tag) for item in recvs]
+        if self.grouped:
+            return self._exchange_in_rounds(sends, recvs, codec, tag, plain, forward,
+                                            send_round, recv_rounds)
+        return self._exchange_pipelined(sends, recvs, codec, tag, plain, forward)
+
+    def _exchange_pipelined(self, sends, recvs, codec, tag, plain, forward):
+        """gloo: each message on its own, as soon as it is ready.
+
+        "add" receives land in reused buffers, WINDOW_BYTES per peer in flight:
+        they stay in cache, where the kernel writes the data and the add reads
+        it (a buffer per segment measured 1.5x the kernel's copy time).
+        Receives are posted in list order (gloo matches a message to the
+        first receive posted for its peer and tag), except that a "set" whose
+        peer and tag no "add" shares goes up as soon as the window blocks,
+        rather than behind it.
+        """
         adders = {peer for peer, _, how, _ in recvs if how == "add"}
         per_peer = max(2, WINDOW_BYTES // (self.segment * self.itemsize))
         free = list(range(min(len(recvs), per_peer * len(adders))))  # window slots not in use
@@ -255,14 +259,14 @@ class Link:
                 next_up[0] += 1
 
         post_in_order()
-        # On gloo, a "set" whose peer and tag no "add" shares cannot take an
-        # add's message, so it need not wait behind the window (on NCCL,
-        # which ignores tags, every receive keeps its place): gloo writes a
-        # message only once its receive is posted, and the ring's all-gather
-        # would wait for the reduce-scatter's last adds (2 ranks: the ring at
-        # 64 MiB went from 0.89-0.90 of gloo's time to 0.80-0.82, at 25 MiB
-        # from 0.94 to 0.86-0.87; benchmarks/collectives.py, two runs each).
-        if next_up[0] < len(recvs) and self.by_tag:
+        # A "set" whose peer and tag no "add" shares cannot take an add's
+        # message, so it need not wait behind the window (under NCCL's rules,
+        # which ignore tags, it could): gloo writes a message only once its
+        # receive is posted, and the ring's all-gather would wait for the
+        # reduce-scatter's last adds (2 ranks: the ring at 64 MiB went from
+        # 0.89-0.90 of gloo's time to 0.80-0.82, at 25 MiB from 0.94 to
+        # 0.86-0.87; benchmarks/collectives.py, two runs each).
+        if next_up[0] < len(recvs):
             adders_tags = {(peer, its_tag) for peer, _, how, its_tag in recvs if how == "add"}
             for i in range(next_up[0], len(recvs)):
                 peer, _, how, its_tag = recvs[i]
@@ -272,10 +276,7 @@ class Link:
         for i, (peer, view, how, _) in enumerate(recvs):
             self._wait(posted[i])
             wire = wires[i]
-            if codec is not None:
-                (codec.decode_add_ if how == "add" else codec.decode_)(view, wire)
-            elif how == "add":
-                view.add_(wire[0])
+            _combine(view, wire, how, codec)
             if how == "add":
                 free.append(slots.pop(i))
                 wires[i] = None
@@ -285,6 +286,64 @@ class Link:
         for works in sent:
             self._wait(works)
         return wires
+
+    def _exchange_in_rounds(self, sends, recvs, codec, tag, plain, forward, send_round,
+                            recv_rounds):
+        """NCCL's rules: one group of messages per round, each finished before the next."""
+        rounds = recv_rounds if recv_rounds is not None else [0] * len(recvs)
+        due = {send_round: list(sends)} if sends else {}  # round -> sends to post in it
+        wires, posted, slots, free = [None] * len(recvs), [False] * len(recvs), {}, []
+        combined, last = 0, None  # receives before `combined` are combined
+        while due or not all(posted):
+            now = min([*due, *(k for k, up in zip(rounds, posted) if not up)])
+            assert last is None or now > last, f"{self.algorithm}: round {now} after {last}"
+            messages = []
+            for item in due.pop(now, []):
+                peer, payload = item[0], item[1]
+                wire = payload if isinstance(payload, list) else self.wire(payload, plain=plain)
+                messages.append(("send", peer, wire, item[2] if len(item) == 3 else tag))
+            for i, (peer, view, how, its_tag) in enumerate(recvs):
+                if posted[i] or rounds[i] != now:
+                    continue
+                if how == "add":
+                    slots[i] = free.pop() if free else len(slots)  # all in use
+                    wires[i] = self._slot_buffers(slots[i], view, codec)
+                elif codec is None:
+                    wires[i] = [view]  # received straight into place
+                else:
+                    wires[i] = [torch.empty(shape, dtype=dtype, device=view.device)
+                                for shape, dtype in self._wire_template(view)]
+                posted[i] = True
+                messages.append(("recv", peer, wires[i], its_tag))
+            self._post_group(messages)
+            while combined < len(recvs) and posted[combined]:
+                i, (_, view, how, _) = combined, recvs[combined]
+                wire = wires[i]
+                _combine(view, wire, how, codec)
+                if how == "add":
+                    free.append(slots.pop(i))
+                    wires[i] = None
+                if forward is not None:
+                    more = forward(i, wire)
+                    if more:
+                        due.setdefault(now + 1, []).extend(more)
+                combined += 1
+            last = now
+        return wires
+
+    def _post_group(self, messages):
+        """Post [(op, peer, tensors, tag)] as one group (dist.batch_isend_irecv); wait."""
+        ops = [dist.P2POp(dist.isend if op == "send" else dist.irecv, t, group=self.group,
+                          group_peer=peer, tag=tag)
+               for op, peer, tensors, tag in messages for t in tensors]
+        if not ops:
+            return
+        peers = sorted({peer for _, peer, _, _ in messages})
+        try:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()  # bounded by the group's timeout, as in _wait
+        except Exception as e:
+            raise self.error("exchange with", peers, e) from e
 
     def _send(self, item, tag, plain):
         peer, payload = item[0], item[1]
@@ -338,19 +397,36 @@ class Link:
             raise self.error(what, peer, e) from e
 
     def error(self, what, peer, cause):
+        """The error for a failed message to or from `peer` (a rank, or a list of them)."""
         first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else repr(cause)
+        who = f"rank {peer}" if isinstance(peer, int) else "ranks " + ", ".join(map(str, peer))
         return RuntimeError(
             f"minddp {self.algorithm} all-reduce (rank {self.rank} of {self.size}): failed to "
-            f"{what} rank {peer}: {first_line}. The peer died, is stuck, or called a different "
+            f"{what} {who}: {first_line}. The peer died, is stuck, or called a different "
             f"collective (every rank must reduce the same buckets in the same order); fix the "
             f"peer's failure first, or raise the process group's timeout if it is just slow.")
 
 
-def _membership(group):
+def _combine(view, wire, how, codec):
+    """Fold a received wire into `view`: add it ("add") or take it ("set")."""
+    if codec is not None:
+        (codec.decode_add_ if how == "add" else codec.decode_)(view, wire)
+    elif how == "add":
+        view.add_(wire[0])
+
+
+def _membership(group, algorithm):
     """(rank, size, backend name) of this process in `group`, looked up once per group."""
     known = _cache("membership")
     if group not in known:
-        known[group] = group.rank(), group.size(), dist.get_backend(group)
+        if not runs_on(group):
+            raise ValueError(
+                f"minddp {algorithm} all-reduce (rank {group.rank()}): the "
+                f"{devices.backend_of(group)!r} backend's point-to-point rules are not known "
+                f"here (gloo's, or NCCL's for the backends in minddp.devices.DEVICE_BACKENDS); "
+                f"use algorithm='native', or add the backend to DEVICE_BACKENDS if it follows "
+                f"NCCL's.")
+        known[group] = group.rank(), group.size(), devices.backend_of(group)
     return known[group]
 
 

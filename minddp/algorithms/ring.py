@@ -4,10 +4,11 @@ The tensor is cut into p chunks. In reduce-scatter step s (s = 0..p-2) rank r
 sends chunk (r - s) to its right neighbour and adds chunk (r - s - 1) arriving
 from its left one; afterwards rank r holds the full sum of chunk (r + 1). The
 all-gather passes those finished chunks around the ring in p - 1 more steps.
-Each chunk is segmented (p2p.SEGMENT_BYTES) and the ring is one pipeline: a
-segment moves on to the right as soon as it has been added (or, in the
-all-gather, received), so adding one segment overlaps receiving the next and
-no rank waits for a whole step to end before starting the next one.
+On gloo each chunk is segmented (p2p.SEGMENT_BYTES) and the ring is one
+pipeline: a segment moves on to the right as soon as it has been added (or,
+in the all-gather, received), so adding one segment overlaps receiving the
+next and no rank waits for a whole step to end before starting the next one.
+Under NCCL's rules (p2p.py) each step is one group: a whole chunk each way.
 
 Cost for n bytes on p ranks: 2(p-1) steps, each rank sends 2(p-1)/p * n bytes:
     T = 2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma   (gamma: add time per byte)
@@ -54,4 +55,6 @@ def _ring(link):
     if p == 1 or not recvs:
         return
     sends = [(right, view, REDUCE_SCATTER) for view in chunks[r]]
-    link.exchange(sends, recvs, forward=move_on)
+    # Under NCCL's rules (p2p.py) step s is round s: all of it at once.
+    rounds = [s for s, _ in owner] if link.grouped else None
+    link.exchange(sends, recvs, forward=move_on, recv_rounds=rounds)

@@ -20,6 +20,9 @@ up then down is two hops in turn. Instead both ranks act as the root (`_exchange
 each sends its tensor to the other at once and adds, in one hop:
     T = alpha + n beta + n gamma                          (`hops(p)` is 1)
 
+Under NCCL's rules (p2p.py) neither shortcut is taken: the whole tensor goes
+up and down the tree in rounds, one group of messages per tree level.
+
 Every rank ends bitwise identical: only rank 0 holds the final sum, and the
 broadcast copies it (with a codec, rank 0's encoding, decoded by all). In the
 two-rank exchange both ranks add, in the same order: rank 0's tensor + rank 1's.
@@ -57,10 +60,14 @@ def _tree(link):
     r = link.rank
     parent = (r - 1) // 2 if r > 0 else None
     children = [c for c in (2 * r + 1, 2 * r + 2) if c < link.size]
-    if link.codec is None and link.flat is not None and link.numel <= link.segment:
+    if not link.grouped and link.codec is None and link.numel <= link.segment:
         if link.size == 2 and link.numel * link.itemsize <= EXCHANGE_BYTES:
             return _exchange(link, 1 - r)
         return _one_segment(link, parent, children)
+    # Rounds under NCCL's rules (p2p.py), by depth t in a tree of depth d:
+    # going up, a rank at depth t sends in round d - t; going down, rank 0
+    # sends in round d and a rank at depth t receives in round d + t - 1.
+    d, t = link.size.bit_length() - 1, (r + 1).bit_length() - 1
     segments = link.segments(0, link.numel)
 
     def pass_on(i, _):  # segment i // len(children) now holds its subtree's sum
@@ -77,13 +84,15 @@ def _tree(link):
         # down. Receiving into the segments being sent is safe: the parent
         # returns segment j only after all of ours has arrived.
         link.exchange([(parent, view) for view in segments],
-                      [(parent, view) for view in segments], "set", TAG)
+                      [(parent, view) for view in segments], "set", TAG,
+                      send_round=d - t, recv_rounds=[d + t - 1] * len(segments))
         return
-    link.exchange([], [(c, view) for view in segments for c in children], "add", TAG,
-                  forward=pass_on)
+    ups = [(c, view) for view in segments for c in children]
+    link.exchange([], ups, "add", TAG, forward=pass_on, recv_rounds=[d - t - 1] * len(ups))
     if parent is not None:
         link.exchange([], [(parent, view) for view in segments], "set", TAG,
-                      forward=lambda _, wire: [(c, wire) for c in children])
+                      forward=lambda _, wire: [(c, wire) for c in children],
+                      recv_rounds=[d + t - 1] * len(segments))
 
 
 def _one_segment(link, parent, children):
