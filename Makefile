@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 NPROC  ?= 2
 STAMP  := $(VENV)/.minddp-installed
 
-.PHONY: test bench setup clean
+.PHONY: test bench setup clean gpu-check
 
 setup: $(STAMP)
 
@@ -18,6 +18,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) benchmarks/compare.py
+
+# On a machine with CUDA: build with the CUDA kernels, run the GPU tests and short
+# GPU benchmarks, log to results/gpu-check.log (tools/gpu_check.sh says more).
+gpu-check:
+	VENV=$(VENV) bash tools/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build minddp/_C*.so *.egg-info

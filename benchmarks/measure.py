@@ -105,8 +105,16 @@ def pairwise_difference(a, b):
 
 
 def slowest_rank(times):
-    """Per-step times as the slowest rank saw them (a step ends when every rank is done)."""
-    t = torch.tensor(times, dtype=torch.float64)
+    """Per-step times as the slowest rank saw them (a step ends when every rank is done).
+
+    The tensor goes where the default group's backend takes it: NCCL reduces
+    CUDA tensors only (a CPU one raises "No backend type associated with
+    device type cpu"), gloo CPU ones.
+    """
+    device = "cpu"
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 

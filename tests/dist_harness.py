@@ -1,12 +1,13 @@
-"""Run a function on every rank of a freshly spawned gloo world, as pytest's helper.
+"""Run a function on every rank of a freshly spawned world, as pytest's helper.
 
     results = run_world(fn, world_size, *args, timeout=60)
+    results = run_world(fn, 1, *args, backend="nccl")   # GPU tests: rank r on cuda:r
 
 `fn(rank, world_size, *args)` runs in each child process with the default
-process group already initialised (gloo, over loopback) and one intra-op thread,
-so several ranks fit on a 2-core machine. It must be a module-level function
-(children are forked from a server that pickles it by name). The return values,
-one per rank, come back as a list.
+process group already initialised (gloo over loopback unless `backend` says
+otherwise) and one intra-op thread, so several ranks fit on a 2-core machine.
+It must be a module-level function (children are forked from a server that
+pickles it by name). The return values, one per rank, come back as a list.
 
 Failure handling is the point of this module:
 - a rank that raises sends its traceback; the others are killed and the test
@@ -39,7 +40,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _child(rank, world_size, port, pg_timeout, fn, args, results):
+def _child(rank, world_size, port, pg_timeout, backend, fn, args, results):
     import torch
     import torch.distributed as dist
 
@@ -47,7 +48,11 @@ def _child(rank, world_size, port, pg_timeout, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            # NCCL drives the GPU that is current when the group first
+            # communicates, and cannot put two ranks on one GPU: rank r gets cuda:r.
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         value = fn(rank, world_size, *args)
         # Plain pickle copies tensor data in-band; the queue's own pickler would
@@ -87,7 +92,8 @@ def _failure_report(world_size, rank, error, results, grace=1.0):
     return report
 
 
-def run_world(fn, world_size, *args, timeout=60, pg_timeout=None, expect_dead=()):
+def run_world(fn, world_size, *args, timeout=60, pg_timeout=None, expect_dead=(),
+              backend="gloo"):
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return their results.
 
     `pg_timeout` (seconds) is the process group's timeout inside the children;
@@ -97,12 +103,24 @@ def run_world(fn, world_size, *args, timeout=60, pg_timeout=None, expect_dead=()
     result is None, and they are killed once the others have finished. Every
     other rank must also exit promptly after returning: a rank that hangs on
     its way out fails the test.
+
+    `backend` is the default group's: "gloo", or "nccl", which puts rank r on
+    cuda:r and so needs a GPU per rank (one GPU: a world of one). Tests whose
+    ranks share one GPU use gloo and pick the device themselves.
     """
+    if backend == "nccl":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus < world_size:
+            raise ValueError(f"run_world: an NCCL world of {world_size} ranks needs a GPU per "
+                             f"rank, this machine has {gpus}; use backend='gloo' to share one")
     pg_timeout = pg_timeout or max(5, int(timeout * 0.6))
     port = free_port()
     results = _CTX.Queue()
     procs = [_CTX.Process(target=_child, daemon=True,
-                          args=(r, world_size, port, pg_timeout, fn, args, results))
+                          args=(r, world_size, port, pg_timeout, backend, fn, args,
+                                results))
              for r in range(world_size)]
     for p in procs:
         p.start()
