@@ -194,6 +194,11 @@ class DistributedDataParallel(nn.Module):
             warnings.warn("You've set static_graph to be True, no need to set it again.",
                           stacklevel=2)
             return
+        if self.reducer.iterations or self.reducer.phase is not Phase.IDLE:
+            raise RuntimeError(f"minddp (rank {self.reducer.rank}): _set_static_graph() should "
+                               f"be called before training loop starts and after "
+                               f"DistributedDataParallel is constructed; pass "
+                               f"static_graph=True to the constructor instead.")
         self.static_graph = True
         self.reducer.static_graph = True
         self.reducer.find_unused = False

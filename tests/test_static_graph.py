@@ -75,3 +75,20 @@ def test_reentrant_checkpointing_as_in_torch(static):
             assert ours[-1][-1] is None and ours[-1][-2] is None, "the spare layer got a .grad"
         else:
             assert ours[-1] == "RuntimeError", "a parameter marked ready twice must raise"
+
+
+def _set_too_late(rank, world_size):
+    ddp = minddp.DDP(nn.Linear(4, 4))
+    ddp(torch.ones(2, 4)).sum().backward()
+    try:
+        ddp._set_static_graph()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_set_static_graph_after_training_raises():
+    # torch's words, which its own test matches.
+    for rank, error in enumerate(run_world(_set_too_late, 2)):
+        assert "should be called before training loop starts" in error, error
+        assert f"rank {rank}" in error, error

@@ -20,7 +20,7 @@ if "$PYTHON" -c "import torch" 2>/dev/null; then
 else
     echo "make_venv: installing torch==2.13.0 (CPU build) and test dependencies"
     "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -q torch==2.13.0 numpy matplotlib pytest ninja setuptools wheel
+    "$VENV/bin/python" -m pip install -q torch==2.13.0 numpy matplotlib pytest expecttest ninja setuptools wheel
     "$VENV/bin/python" -m pip install --no-build-isolation --no-deps -e .
 fi
 "$VENV/bin/python" -c "import minddp, torch; print('make_venv: minddp ready with torch', torch.__version__)"
