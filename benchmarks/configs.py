@@ -112,7 +112,7 @@ def build_configs(workload, names, device, cap_mb, timeline=None):
                 config.model = minddp.DDP(model, device_ids=device_ids, bucket_cap_mb=cap_mb,
                                           algorithm=algorithm, compression=compression,
                                           timeline=trace)
-            except NotImplementedError as e:
+            except NotImplementedError:
                 config.absent = f"{algorithm}/{compression or 'fp32'}: not implemented"
                 configs.append(config)
                 continue

@@ -6,10 +6,10 @@ Construction checks the model and the settings on every rank, broadcasts rank
 every bucket through one Reduction (reduction.py): minddp's algorithms, or a
 comm hook registered with `register_comm_hook`.
 """
+import collections
 import contextlib
 import functools
 import inspect
-import itertools
 import warnings
 import weakref
 
@@ -37,7 +37,7 @@ COMPRESSIONS = (None, "fp16", "bf16")
 # only the old name, and minddp follows the torch it runs on in its warnings.
 _TORCH_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(
     nn.parallel.DistributedDataParallel.__init__).parameters
-_constructed = itertools.count()
+_constructed = collections.Counter()  # ranks -> wrappers constructed over them
 
 
 class DistributedDataParallel(nn.Module):
@@ -116,8 +116,10 @@ class DistributedDataParallel(nn.Module):
                     "static_graph": static_graph, "forward_sync_buffers": self.forward_sync_buffers}
         self._join_peers(named, settings, rank, init_sync, sync_buffers_at_init)
         # Names this wrapper's entries in the store (health.py): constructions
-        # are collective, so the count is the same on every rank.
-        self._member = next(_constructed)
+        # are collective over the group's ranks, so the name is the same on each.
+        ranks = "-".join(map(str, dist.get_process_group_ranks(self.process_group)))
+        _constructed[ranks] += 1
+        self._member = f"{ranks}/{_constructed[ranks]}"
         self._build_reducer(named, static_graph)
         self.reducer.reduction.setup([bucket.buffer for bucket in self.reducer.buckets])
         if static_graph:
@@ -163,7 +165,7 @@ class DistributedDataParallel(nn.Module):
         device = group_device(group)
         count_used = functools.partial(_sum_on_engine, self.engine, device, "used-map")
         sum_step = functools.partial(_sum_on_engine, self.engine, device, "step")
-        progress = (PeerProgress(self.process_group, f"{group.group_name}/{self._member}")
+        progress = (PeerProgress(self.process_group, self._member)
                     if self.world_size > 1 else None)
         self.reducer = Reducer(
             named, buckets, reduction, rank=rank,
@@ -200,8 +202,7 @@ class DistributedDataParallel(nn.Module):
                                f"DistributedDataParallel is constructed; pass "
                                f"static_graph=True to the constructor instead.")
         self.static_graph = True
-        self.reducer.static_graph = True
-        self.reducer.find_unused = False
+        self.reducer.set_static_graph()
         if self.find_unused_parameters:
             warnings.warn("You passed find_unused_parameters=true to DistributedDataParallel, "
                           "`_set_static_graph` will detect unused parameters automatically, "
@@ -266,10 +267,7 @@ class DistributedDataParallel(nn.Module):
         if isinstance(self.reducer.reduction, HookReduction):
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be "
                                "called once.")
-        if self.reducer.phase is Phase.RUNNING:
-            raise RuntimeError("minddp: register_comm_hook cannot be called during a backward "
-                               "pass.")
-        self.reducer.reduction = HookReduction(state, hook)
+        self.reducer.set_reduction(HookReduction(state, hook))
 
     @property
     def broadcast_buffers(self):

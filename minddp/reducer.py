@@ -82,8 +82,8 @@ class Reducer:
         self.timeline = timeline  # see timeline.py; None records nothing
         self._where = {index: (bucket, slot) for bucket in buckets
                        for slot, index in enumerate(bucket.indices)}
-        device = self.params[0].device
-        self.local_used = torch.zeros(len(self.params), dtype=torch.int32, device=device)
+        # On the CPU, as torch keeps it: a hook marks it without a device kernel.
+        self.local_used = torch.zeros(len(self.params), dtype=torch.int32, device="cpu")
         self.phase = Phase.IDLE
         self.iterations = 0          # backward passes finalized
         self.forwards = 0            # synced forwards: what the step check compares
@@ -112,6 +112,17 @@ class Reducer:
         if self.find_unused:
             reached = reached_parameters(outputs)
             self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+
+    def set_reduction(self, reduction):
+        """Reduce buckets through `reduction` from the next backward on."""
+        if self.phase is Phase.RUNNING:
+            raise RuntimeError(f"minddp (rank {self.rank}): the reduction (a comm hook) cannot "
+                               f"change during a backward pass.")
+        self.reduction = reduction
+
+    def set_static_graph(self):
+        """From the next backward on, reduce as static_graph=True does (see above)."""
+        self.static_graph, self.find_unused = True, False
 
     @property
     def in_first_static_iteration(self):
@@ -150,12 +161,6 @@ class Reducer:
 
     def _start(self):
         """The first gradient (or the sink) of a synced backward."""
-        self._begin()
-        if self.in_first_static_iteration:
-            self._counts = [0] * len(self.params)
-            torch.autograd.Variable._execution_engine.queue_callback(self._reduce_all_at_end)
-
-    def _begin(self):
         self.phase = Phase.RUNNING
         self._backward_start = now_us()
         if self.progress is not None:
@@ -170,6 +175,9 @@ class Reducer:
             self._left = list(self._static_counts)
         for index in self._unused:
             self._mark_ready(index)
+        if self.in_first_static_iteration:
+            self._counts = [0] * len(self.params)
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce_all_at_end)
 
     def _mark_ready(self, index):
         if self._ready[index]:

@@ -100,6 +100,11 @@ class StrictGroup(dist.ProcessGroup):
         self._check(tensors, "broadcast")
         return self._submit(lambda: self._gloo.broadcast(tensors, opts).wait(), tensors)
 
+    def allgather(self, output_lists, inputs, opts=None):
+        self._check(inputs + [t for outputs in output_lists for t in outputs], "all_gather")
+        return self._submit(lambda: self._gloo.allgather(output_lists, inputs).wait(),
+                            output_lists)
+
     def barrier(self, opts=None):
         return self._submit(lambda: self._gloo.barrier().wait(), [])
 

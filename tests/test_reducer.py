@@ -130,6 +130,6 @@ def _write_back_order(rank, world_size):
 def test_each_bucket_is_written_back_before_the_next_is_waited_for():
     # As torch's finalize does: copying bucket 0 to .grad overlaps the later
     # buckets' communication instead of following all of it.
-    for buckets, seen in run_world(_write_back_order, 2):
-        assert buckets > 2 and len(seen) == 2 * (buckets - 1)
+    for count, seen in run_world(_write_back_order, 2):
+        assert count > 2 and len(seen) == 2 * (count - 1)
         assert all(seen), "bucket 0 was still unwritten when a later bucket was waited for"

@@ -1,7 +1,6 @@
 """The timeline: a Chrome trace whose spans follow the reducer's contract."""
 import json
 
-import torch
 
 import minddp
 from minddp.timeline import hidden_share, merge

@@ -72,12 +72,11 @@ def reverse(group):
 
 
 def timeout_of(group):
-    """The process group's own timeout (gloo and NCCL keep it in their options)."""
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-    except Exception:  # noqa: BLE001 - e.g. an NCCL-only group
-        backend = group._get_backend(torch.device("cuda"))
-    try:
-        return backend.options._timeout
-    except AttributeError:
-        return datetime.timedelta(minutes=30)
+    """The process group's own timeout (gloo and NCCL keep it in their options);
+    torch's default (30 minutes) for a backend that keeps none there."""
+    for device in ("cpu", "cuda"):  # an NCCL-only group has no CPU backend
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return datetime.timedelta(minutes=30)
