@@ -64,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default: workload's)")
     p.add_argument("--bucket-cap-mb", type=float, default=25)
+    p.add_argument("--gradient-as-bucket-view", action="store_true",
+                   help="gradient_as_bucket_view=True for torch's rows and minddp's: .grad is "
+                        "the bucket slot, no copy into the bucket and back")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", default="results", help="folder for compare.json and compare.png")
     p.add_argument("--scaling", action="store_true",
@@ -93,7 +96,8 @@ def train_step(config, workload, inputs, target):
 def run_workload(workload, args, rank, world_size, device, names):
     batch_size = args.batch_size or workload.batch_size
     trace = os.path.join(args.out, "trace") if args.timeline else None
-    configs = build_configs(workload, names, device, args.bucket_cap_mb, trace)
+    configs = build_configs(workload, names, device, args.bucket_cap_mb, trace,
+                            args.gradient_as_bucket_view)
     live = [c for c in configs if c.absent is None]
     steps, comm = {c.name: [] for c in live}, {c.name: [] for c in live}
     mem = {c.name: 0.0 for c in live}

@@ -84,9 +84,10 @@ def _minddp_communicate(ddp):
     return communicate
 
 
-def build_configs(workload, names, device, cap_mb, timeline=None):
+def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False):
     """One Config per name, each with its own copy of the workload's model (seed 0).
-    With `timeline` (a path prefix) every minddp row records a Chrome trace."""
+    With `timeline` (a path prefix) every minddp row records a Chrome trace;
+    `as_view` is gradient_as_bucket_view for torch's rows and minddp's alike."""
     torch.manual_seed(0)
     base = workload.build().to(device)
     sizes = _bucket_bytes(base, cap_mb)
@@ -100,7 +101,8 @@ def build_configs(workload, names, device, cap_mb, timeline=None):
         if kind == "bare":
             config.model = model
         elif kind == "torch":
-            config.model = TorchDDP(model, device_ids=device_ids, bucket_cap_mb=cap_mb)
+            config.model = TorchDDP(model, device_ids=device_ids, bucket_cap_mb=cap_mb,
+                                    gradient_as_bucket_view=as_view)
             if how[0] is not None:
                 config.model.register_comm_hook(None, how[0])
             config.communicate = _torch_communicate(sizes, device, how[0])
@@ -110,6 +112,7 @@ def build_configs(workload, names, device, cap_mb, timeline=None):
             try:
                 trace = f"{timeline}.{workload.name}.{name}" if timeline else None
                 config.model = minddp.DDP(model, device_ids=device_ids, bucket_cap_mb=cap_mb,
+                                          gradient_as_bucket_view=as_view,
                                           algorithm=algorithm, compression=compression,
                                           timeline=trace)
             except NotImplementedError:

@@ -355,7 +355,10 @@ class Reducer:
     # alone, so a rank that lost a backward before it reached this wrapper (an
     # exception in the loss's own backward, caught and skipped) would otherwise
     # pair its next iteration with its peers' current one: wrong gradients,
-    # silently. A rank that has joined (join.py) adds zeros.
+    # silently. A rank that has joined (join.py) adds zeros. It costs one small
+    # all-reduce per backward, issued at its start so that it hides behind the
+    # computation where a core is free (on 2 CPU cores shared by 2 ranks about
+    # 1 ms, 2% of the convnet's step in benchmarks/compare.py).
     def _check_step(self, n):
         if self.sum_step is None:
             return None
@@ -432,8 +435,8 @@ class Reducer:
     # -- join and clean-up -------------------------------------------------------
     def shadow_backward(self):
         """Take part in the other ranks' backward with zero gradients (a rank that
-        has run out of inputs, see join.py): every bucket, in order, then the
-        used-parameter map. Leaves .grad alone."""
+        has run out of inputs, see join.py): the step check, every bucket in
+        order, then the used-parameter map, as they do. Leaves .grad alone."""
         self.forwards += 1  # the step it shadows counts here too (the step check)
         for bucket in self.buckets:
             bucket.buffer.zero_()
