@@ -10,10 +10,12 @@ bucket the last one. A bucket never mixes dtypes or devices, because it is
 one flat tensor.
 """
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 FIRST_BUCKET_BYTES = 1024 * 1024
+STAMP = 3  # slots behind bucket 0's buffer for the reducer's step check
 
 
 @dataclass
@@ -24,6 +26,7 @@ class Bucket:
     params: list          # the parameters, in the order they sit in the buffer
     offsets: list         # element offset of each parameter in the buffer
     buffer: torch.Tensor  # flat, 1-D, dtype and device of its parameters
+    carrier: Optional[torch.Tensor] = None  # buffer + STAMP trailing slots (see build)
 
     def view(self, i, flat=None):
         """Parameter i's slice of the buffer (or of `flat`, a tensor of the buffer's
@@ -68,8 +71,13 @@ def assign(params, limits):
     return closed
 
 
-def build(params, limits):
-    """Allocate the buckets for `params` (registration order); see `assign`."""
+def build(params, limits, stamp=False):
+    """Allocate the buckets for `params` (registration order); see `assign`.
+
+    stamp=True gives bucket 0, where it holds float32 or float64 values, STAMP
+    more slots behind its buffer (`carrier`): the reducer's step check rides
+    there on the bucket's own all-reduce instead of a collective of its own.
+    """
     buckets = []
     for b, indices in enumerate(assign(params, limits)):
         members = [params[i] for i in indices]
@@ -77,6 +85,9 @@ def build(params, limits):
         for p in members:
             offsets.append(total)
             total += p.numel()
-        buffer = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
-        buckets.append(Bucket(b, indices, members, offsets, buffer))
+        dtype = members[0].dtype
+        extra = STAMP if stamp and b == 0 and dtype in (torch.float32, torch.float64) else 0
+        storage = torch.zeros(total + extra, dtype=dtype, device=members[0].device)
+        buckets.append(Bucket(b, indices, members, offsets, storage[:total],
+                              storage if extra else None))
     return buckets

@@ -7,7 +7,8 @@ every rank, and a single FIFO consumer makes that order the submission order.
 
 `engine_for(group)` gives every wrapper over the same ranks the same engine
 and the same gradient group (`dist.new_group` over those ranks, so the user's
-collectives on their own group never interleave with gradient traffic). Two
+collectives on their own group never interleave with gradient traffic), and
+a side group for the wrappers' small checks. Two
 wrappers on one group share its FIFO, as torch's DDPs share their process
 group; re-wrapping a model or unpickling a wrapper needs no new group.
 
@@ -61,19 +62,25 @@ def engine_for(group, timeout=None):
     key = (ranks, str(dist.get_backend(group)), timeout)
     engine = _engines.get(key)
     if engine is None or not engine.alive():
-        comm_group = dist.new_group(list(ranks), backend=dist.get_backend(group),
-                                    timeout=timeout,
-                                    use_local_synchronization=group is not dist.group.WORLD)
-        lanes.open_lanes(comm_group)  # here, never from the communication thread
-        engine = _engines[key] = CommEngine(comm_group, group_device(comm_group))
+        groups = [dist.new_group(list(ranks), backend=dist.get_backend(group), timeout=timeout,
+                                 use_local_synchronization=group is not dist.group.WORLD)
+                  for _ in range(2)]
+        lanes.open_lanes(groups[0])  # here, never from the communication thread
+        engine = _engines[key] = CommEngine(*groups, group_device(groups[0]))
     return engine
 
 
 class CommEngine:
-    """Runs `job(*args)` callables on a background thread, in submission order."""
+    """Runs `job(*args)` callables on a background thread, in submission order.
 
-    def __init__(self, group, device, name="minddp-comm"):
-        self.group = group
+    `group` carries the jobs; `side_group` (the same ranks) is for the few
+    bytes the wrappers sum straight from the training thread, in its program
+    order (the step check): never through the thread, so they cost no
+    hand-over between threads.
+    """
+
+    def __init__(self, group, side_group, device, name="minddp-comm"):
+        self.group, self.side_group = group, side_group
         self.device = device  # what the group's collectives take: the thread works on it
         self._jobs = queue.SimpleQueue()
         self._error = None

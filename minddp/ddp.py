@@ -121,7 +121,7 @@ class DistributedDataParallel(nn.Module):
         _constructed[ranks] += 1
         self._member = f"{ranks}/{_constructed[ranks]}"
         self._build_reducer(named, static_graph)
-        self.reducer.reduction.setup([bucket.buffer for bucket in self.reducer.buckets])
+        self.reducer.reduction.setup(self.reducer.buckets)
         if static_graph:
             self._set_static_graph()
 
@@ -157,18 +157,18 @@ class DistributedDataParallel(nn.Module):
         group = self.engine.group
         rank = dist.get_rank(self.process_group)
         limits = self.bucket_bytes_cap_list or bucketing.caps(self.bucket_bytes_cap)
-        buckets = bucketing.build([p for _, p in named], limits)
+        buckets = bucketing.build([p for _, p in named], limits, stamp=self.world_size > 1)
         codec = None if self.compression is None else compressing.codec_for(self.compression)
         job = algorithms.planner(self.algorithm, group, codec)
         reduction = AlgorithmReduction(self.engine, job, f"algorithm {self.algorithm!r}",
-                                       self.timeline)
+                                       self.timeline, exact=codec is None)
         device = group_device(group)
         count_used = functools.partial(_sum_on_engine, self.engine, device, "used-map")
-        sum_step = functools.partial(_sum_on_engine, self.engine, device, "step")
+        sum_step = functools.partial(_sum_now, self.engine.side_group, device)
         progress = (PeerProgress(self.process_group, self._member)
                     if self.world_size > 1 else None)
         self.reducer = Reducer(
-            named, buckets, reduction, rank=rank,
+            named, buckets, reduction, rank=rank, world_size=self.world_size,
             find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=static_graph,
             count_used=count_used, sum_step=sum_step if self.world_size > 1 else None,
@@ -441,12 +441,18 @@ def _check_comm_hook(hook):
                          "torch.futures.Future[torch.Tensor].")
 
 
+def _sum_now(group, device, tensor):
+    """Start summing a small tensor on `group` from this thread; a Future of it.
+    No Python runs when it completes: nothing to hand over between threads."""
+    return dist.all_reduce(tensor.to(device), group=group, async_op=True).get_future()
+
+
 def _sum_on_engine(engine, device, label, tensor):
-    """Sum a small tensor (the used map, the step check) with the backend's
-    all-reduce, in its place among the buckets on the gradient group. Waited
-    for on the communication thread: for a few bytes that is cheaper than
-    handing the result on from the backend's thread (about 2% of a 40 ms step
-    on 2 CPU ranks, benchmarks/compare.py --workloads convnet)."""
+    """Sum a small tensor (the used map) with the backend's all-reduce, in its
+    place among the buckets on the gradient group. Waited for on the
+    communication thread: for a few bytes that is cheaper than handing the
+    result on from the backend's thread (about 2% of a 40 ms step on 2 CPU
+    ranks, benchmarks/compare.py --workloads convnet)."""
     return engine.submit(native.all_reduce, tensor.to(device), engine.group,
                          label=label, device=device)
 

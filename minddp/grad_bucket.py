@@ -18,6 +18,11 @@ class GradBucket:
         """The flat gradient buffer (sum of local gradients, not yet averaged)."""
         return self._bucket.buffer
 
+    def _to_sum(self):
+        """minddp's own reductions sum this: the buffer, with the step check's
+        slots behind it where it has them (buckets.build, reducer.py)."""
+        return self._bucket.carrier if self._bucket.carrier is not None else self._bucket.buffer
+
     def gradients(self):
         """Per-parameter views into the buffer, shaped like the parameters."""
         return [self._bucket.view(i) for i in range(len(self._bucket.params))]

@@ -35,12 +35,14 @@ times (reentrant checkpointing runs backward through a segment more than
 once), and the parameters the first iteration did not use are ready at once.
 """
 import enum
+import math
 import threading
 import warnings
 import weakref
 
 import torch
 
+from minddp.buckets import STAMP
 from minddp.grad_bucket import GradBucket
 from minddp.graph import reached_parameters
 from minddp.timeline import now_us, profiled
@@ -66,14 +68,15 @@ class Reducer:
     same for the step check (below).
     """
 
-    def __init__(self, named_params, buckets, reduction, *, rank, find_unused_parameters=False,
+    def __init__(self, named_params, buckets, reduction, *, rank, world_size,
+                 find_unused_parameters=False,
                  gradient_as_bucket_view=False, static_graph=False, count_used=None,
                  sum_step=None, progress=None, timeline=None):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.buckets = buckets
         self.reduction = reduction
-        self.rank = rank
+        self.rank, self.world_size = rank, world_size
         self.find_unused = find_unused_parameters and not static_graph
         self.static_graph = static_graph
         self.as_view = gradient_as_bucket_view
@@ -169,7 +172,7 @@ class Reducer:
         self._pending = [len(bucket.params) for bucket in self.buckets]
         self._futures = [None] * len(self.buckets)
         self._next = 0
-        self._used_future = self._used_reduced = None
+        self._used_future = self._used_reduced = self._step_sums = None
         self._step_future = self._check_step(self.forwards)
         if self._static_counts is not None:
             self._left = list(self._static_counts)
@@ -257,12 +260,13 @@ class Reducer:
             self.timeline.span("finalize", start, now_us())
 
     def _write_back(self):
-        self._step_agreed()
         used = self._used_lookup()
         for b, bucket in enumerate(self.buckets):
             # Each bucket is written as soon as it is reduced, as torch's
             # finalize does: writing one overlaps the next one's communication.
             result = self._collect(b)
+            if b == 0:
+                self._step_agreed()  # before any .grad is written
             for slot, index in enumerate(bucket.indices):
                 if used is not None and not used(index):
                     continue  # no rank used it: leave .grad as it was, as torch does
@@ -302,6 +306,11 @@ class Reducer:
         self._futures[b] = None
         if isinstance(result, (list, tuple)) and len(result) == 1:
             result = result[0]
+        if (b == 0 and bucket.carrier is not None and isinstance(result, torch.Tensor) and
+                result.numel() == bucket.carrier.numel()):
+            result = result.reshape(-1)  # the step check rode along: its sums are the tail
+            self._step_sums = result[-STAMP:].tolist()
+            result = result[:-STAMP]
         if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
             got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
                    else type(result).__name__)
@@ -349,34 +358,53 @@ class Reducer:
                 f"failed in iteration {self.iterations}: {who}. Cause: {cause}") from e
 
     # -- the step check ---------------------------------------------------------
-    # Each backward first sums (1, n, n^2) over the ranks, n being the number of
+    # Every backward sums (1, n, n^2) over the ranks, n being the number of
     # synced forwards so far, and finalize writes no .grad unless every rank had
     # the same n (then the sums are k, kn and kn^2). Buckets pair by launch order
     # alone, so a rank that lost a backward before it reached this wrapper (an
     # exception in the loss's own backward, caught and skipped) would otherwise
     # pair its next iteration with its peers' current one: wrong gradients,
-    # silently. A rank that has joined (join.py) adds zeros. It costs one small
-    # all-reduce per backward, issued at its start so that it hides behind the
-    # computation where a core is free (on 2 CPU cores shared by 2 ranks about
-    # 1 ms, 2% of the convnet's step in benchmarks/compare.py).
+    # silently. The stamp rides in slots behind bucket 0's buffer where
+    # minddp's own exact reduction sums it (n taken modulo a bound under which
+    # the float sums are exact); elsewhere (a comm hook, compression, half
+    # precision) it takes a small all-reduce of its own, which costs about
+    # 1 ms per backward on 2 CPU cores shared by 2 ranks. A rank that has
+    # joined (join.py) adds zeros.
     def _check_step(self, n):
+        """Put this backward's stamp where it will be summed; None, or the Future
+        of a collective of its own where bucket 0 cannot carry it."""
         if self.sum_step is None:
+            return None
+        carrier = self.buckets[0].carrier
+        if carrier is not None and self.reduction.carries_stamp:
+            m = n % self._stamp_modulus(carrier.dtype)
+            carrier[-STAMP:].copy_(torch.tensor([1, m, m * m], dtype=carrier.dtype))
             return None
         return self.sum_step(torch.tensor([1, n, n * n], dtype=torch.int64))
 
+    def _stamp_modulus(self, dtype):
+        """Stamps (1, m, m^2) with m below this sum exactly in `dtype` over every rank."""
+        exact = {torch.float32: 1 << 24, torch.float64: 1 << 53}[dtype]  # integers below: exact
+        return max(2, math.isqrt(exact // self.world_size))
+
     def _step_agreed(self):
-        if self._step_future is None:
+        if self._step_future is not None:
+            summed = self._wait(self._step_future, "the step check", BACKEND)
+            sums, n = (summed[0] if isinstance(summed, list) else summed).tolist(), self.forwards
+        elif self._step_sums is not None:
+            sums = [round(v) for v in self._step_sums]
+            n = self.forwards % self._stamp_modulus(self.buckets[0].carrier.dtype)
+        else:
             return
-        ranks, total, squares = self._wait(self._step_future, "the step check", BACKEND).tolist()
-        n = self.forwards
+        ranks, total, squares = sums
         if total != ranks * n or squares != ranks * n * n:
             raise RuntimeError(
-                f"minddp (rank {self.rank}): ranks are out of step: this backward belongs to rank {self.rank}'s synced "
-                f"forward #{n}, but the ranks' forwards average #{total / ranks:g}. A rank "
-                f"skipped a backward (an exception inside backward, caught and ignored) or "
-                f"ran a different number of forwards with gradients enabled outside "
-                f"no_sync(); every rank must run the same synced forwards and backwards. "
-                f"No gradient of this backward was written")
+                f"minddp (rank {self.rank}): ranks are out of step: this backward belongs to "
+                f"rank {self.rank}'s synced forward #{self.forwards}, but not every other "
+                f"rank's does. A rank skipped a backward (an exception inside backward, "
+                f"caught and ignored) or ran a different number of forwards with gradients "
+                f"enabled outside no_sync(); every rank must run the same synced forwards "
+                f"and backwards. No gradient of this backward was written")
 
     # -- broken iterations -------------------------------------------------------
     def _abandon(self):
@@ -439,9 +467,10 @@ class Reducer:
         order, then the used-parameter map, as they do. Leaves .grad alone."""
         self.forwards += 1  # the step it shadows counts here too (the step check)
         for bucket in self.buckets:
-            bucket.buffer.zero_()
+            (bucket.carrier if bucket.carrier is not None else bucket.buffer).zero_()
         futures = []
-        if self.sum_step is not None:
+        if self.sum_step is not None and not (self.buckets[0].carrier is not None and
+                                              self.reduction.carries_stamp):
             futures.append(self.sum_step(torch.zeros(3, dtype=torch.int64)))
         futures += [self._launch(b) for b in range(len(self.buckets))]
         if self.find_unused:

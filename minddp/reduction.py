@@ -11,13 +11,15 @@ and a communication hook written for torch's DDP through `HookReduction`.
                                (torch's built-in reduction does, and sums);
                                False: the bucket holds plain sums and the
                                reduction averages (torch's comm-hook contract)
-    reduction.setup(buffers)   once, on every rank together, before the first
-                               backward, with the bucket buffers in launch
-                               order (auto times its candidates on their sizes)
+    reduction.setup(buckets)   once, on every rank together, before the first
+                               backward, with the buckets in launch order (auto
+                               times its candidates on the sizes it will sum)
     reduction.launch(bucket)   start reducing a GradBucket; returns a Future
                                whose value is the averaged flat bucket (the
                                buffer itself or a tensor of its size) on the
                                bucket's device
+    reduction.carries_stamp    True: it sums bucket 0's step-check slots with
+                               the bucket, exactly (reducer.py, the step check)
 """
 import torch
 
@@ -28,32 +30,35 @@ class AlgorithmReduction:
 
     prescaled = True
 
-    def __init__(self, engine, job, name, timeline=None):
+    def __init__(self, engine, job, name, timeline=None, exact=True):
         self.engine, self.job, self.timeline = engine, job, timeline
         self.name = name  # for error messages: "algorithm 'ring'"
+        self.carries_stamp = exact  # not with a lossy codec
 
-    def setup(self, buffers):
+    def setup(self, buckets):
+        buffers = [b.carrier if b.carrier is not None else b.buffer for b in buckets]
         setup = getattr(self.job, "setup", None)
         if setup is not None:
             # On the engine, so it keeps its place among other wrappers' traffic.
             self.engine.run(setup, buffers, label="setup")
 
     def launch(self, bucket):
-        buffer = bucket.buffer()
-        return self.engine.submit(self.job, buffer, label=f"comm b{bucket.index()}",
-                                  device=buffer.device, timeline=self.timeline)
+        tensor = bucket._to_sum()  # the step check's slots too, where bucket 0 has them
+        return self.engine.submit(self.job, tensor, label=f"comm b{bucket.index()}",
+                                  device=tensor.device, timeline=self.timeline)
 
 
 class HookReduction:
     """A communication hook `hook(state, bucket) -> Future` as torch's DDP runs it."""
 
     prescaled = False
+    carries_stamp = False
     name = "the communication hook"
 
     def __init__(self, state, hook):
         self.state, self.hook = state, hook
 
-    def setup(self, buffers):
+    def setup(self, buckets):
         pass
 
     def launch(self, bucket):
