@@ -39,34 +39,39 @@ import torch
 import torch.distributed as dist
 
 from minddp.algorithms import lanes
-from minddp.devices import group_device
+from minddp.devices import group_device, is_device_backend
 from minddp.timeline import now_us, profiled
 
 _STOP = object()
 _engines = {}  # (ranks, backend, timeout) -> CommEngine, for the life of the process
 
 
-def engine_for(group, timeout=None):
+def engine_for(group, timeout=None, device=None):
     """The engine (and gradient group) for `group`'s ranks, made on first use.
 
     The first call for a set of ranks is a collective over them (it creates
     process groups): every rank of `group` makes it at the same point of its
     program, from its main thread. Later calls find the same engine on every
     rank. `timeout` (a timedelta, seconds, or None for `group`'s own) bounds
-    every wait on a peer.
+    every wait on a peer. `device`: where the gradients live; a CUDA device is
+    the one the thread works on, and the one NCCL's collectives use, whatever
+    device is current in the caller (torch's DDP follows its parameters too).
     """
     timeout = timeout if timeout is not None else lanes.timeout_of(group)
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
+    cuda = device if device is not None and device.type == "cuda" else None
     ranks = tuple(dist.get_process_group_ranks(group))
-    key = (ranks, str(dist.get_backend(group)), timeout)
+    key = (ranks, str(dist.get_backend(group)), timeout, cuda)
     engine = _engines.get(key)
     if engine is None or not engine.alive():
         groups = [dist.new_group(list(ranks), backend=dist.get_backend(group), timeout=timeout,
                                  use_local_synchronization=group is not dist.group.WORLD)
                   for _ in range(2)]
         lanes.open_lanes(groups[0])  # here, never from the communication thread
-        engine = _engines[key] = CommEngine(*groups, group_device(groups[0]))
+        collectives = cuda if cuda is not None and is_device_backend(groups[0]) else \
+            group_device(groups[0])
+        engine = _engines[key] = CommEngine(*groups, collectives, cuda)
     return engine
 
 
@@ -79,9 +84,10 @@ class CommEngine:
     hand-over between threads.
     """
 
-    def __init__(self, group, side_group, device, name="minddp-comm"):
+    def __init__(self, group, side_group, device, cuda=None, name="minddp-comm"):
         self.group, self.side_group = group, side_group
-        self.device = device  # what the group's collectives take: the thread works on it
+        self.device = device  # the device of the tensors the group's collectives take
+        self._cuda = cuda     # the CUDA device the thread works on, if any
         self._jobs = queue.SimpleQueue()
         self._error = None
         self._handing_on = 0  # backend futures whose result is not passed on yet
@@ -133,8 +139,8 @@ class CommEngine:
                             f"{self._error}")
 
     def _loop(self):
-        if self.device.type == "cuda":  # a new thread starts on cuda:0
-            torch.cuda.set_device(self.device)
+        if self._cuda is not None:  # a new thread starts on cuda:0
+            torch.cuda.set_device(self._cuda)
         while True:
             item = self._jobs.get()
             if item is _STOP:

@@ -23,7 +23,6 @@ from minddp import buckets as bucketing
 from minddp import comm
 from minddp import compression as compressing
 from minddp.algorithms import native
-from minddp.devices import group_device
 from minddp.grad_bucket import GradBucket
 from minddp.health import PeerProgress
 from minddp.join import Join
@@ -114,14 +113,12 @@ class DistributedDataParallel(nn.Module):
                     "compression": compression, "find_unused_parameters": find_unused_parameters,
                     "gradient_as_bucket_view": gradient_as_bucket_view,
                     "static_graph": static_graph, "forward_sync_buffers": self.forward_sync_buffers}
-        self._join_peers(named, settings, rank, init_sync, sync_buffers_at_init)
-        # Names this wrapper's entries in the store (health.py): constructions
-        # are collective over the group's ranks, so the name is the same on each.
-        ranks = "-".join(map(str, dist.get_process_group_ranks(self.process_group)))
-        _constructed[ranks] += 1
-        self._member = f"{ranks}/{_constructed[ranks]}"
-        self._build_reducer(named, static_graph)
-        self.reducer.reduction.setup(self.reducer.buckets)
+        self._ranks = "-".join(map(str, dist.get_process_group_ranks(self.process_group)))
+        self._take_name()
+        with _current(self.device):
+            self._join_peers(named, settings, rank, init_sync, sync_buffers_at_init)
+            self._build_reducer(named, static_graph)
+            self.reducer.reduction.setup(self.reducer.buckets)
         if static_graph:
             self._set_static_graph()
 
@@ -143,7 +140,7 @@ class DistributedDataParallel(nn.Module):
                 broadcast_from_first([p.data for p in self._parameters_to_sync()] +
                                      (self._buffers_to_sync() if sync_buffers else []),
                                      self.process_group)
-            self.engine = comm.engine_for(self.process_group, self._timeout)
+            self.engine = comm.engine_for(self.process_group, self._timeout, self.device)
         except ModelMismatch:
             raise
         except Exception as e:
@@ -162,7 +159,7 @@ class DistributedDataParallel(nn.Module):
         job = algorithms.planner(self.algorithm, group, codec)
         reduction = AlgorithmReduction(self.engine, job, f"algorithm {self.algorithm!r}",
                                        self.timeline, exact=codec is None)
-        device = group_device(group)
+        device = self.engine.device
         count_used = functools.partial(_sum_on_engine, self.engine, device, "used-map")
         sum_step = functools.partial(_sum_now, self.engine.side_group, device)
         progress = (PeerProgress(self.process_group, self._member)
@@ -173,6 +170,13 @@ class DistributedDataParallel(nn.Module):
             gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=static_graph,
             count_used=count_used, sum_step=sum_step if self.world_size > 1 else None,
             timeline=self.timeline, progress=progress)
+
+    def _take_name(self):
+        """Name this wrapper's entries in the store (health.py). Constructions are
+        collective over the group's ranks, so the count, and the name, is the same
+        on each of them."""
+        _constructed[self._ranks] += 1
+        self._member = f"{self._ranks}/{_constructed[self._ranks]}"
 
     def _parameters_to_sync(self):
         return [p for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
@@ -316,8 +320,11 @@ class DistributedDataParallel(nn.Module):
         self.process_group = dist.group.WORLD
         self._join, self.static_graph = None, False
         self.timeline = None
-        self.engine = comm.engine_for(self.process_group, self._timeout)
-        self._build_reducer(self._trainable(self.module), static_graph)
+        self._take_name()  # the original may live on beside this copy
+        with _current(self.device):
+            self.engine = comm.engine_for(self.process_group, self._timeout, self.device)
+            self._build_reducer(self._trainable(self.module), static_graph)
+            self.reducer.reduction.setup(self.reducer.buckets)
         if static_graph:
             self._set_static_graph()
 
@@ -451,10 +458,15 @@ def _sum_on_engine(engine, device, label, tensor):
     """Sum a small tensor (the used map) with the backend's all-reduce, in its
     place among the buckets on the gradient group. Waited for on the
     communication thread: for a few bytes that is cheaper than handing the
-    result on from the backend's thread (about 2% of a 40 ms step on 2 CPU
-    ranks, benchmarks/compare.py --workloads convnet)."""
+    result on from the backend's thread, which takes the GIL twice more."""
     return engine.submit(native.all_reduce, tensor.to(device), engine.group,
                          label=label, device=device)
+
+
+def _current(device):
+    """The CUDA device made current for a block (NCCL's object collectives and
+    group creation use the current one), or nothing for a CPU model."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _index(device_id):

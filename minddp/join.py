@@ -27,7 +27,6 @@ its loop, the others in their next forward).
 import torch
 import torch.distributed as dist
 
-from minddp.devices import group_device
 from minddp.model_sync import broadcast_from_first
 
 
@@ -45,7 +44,7 @@ class Join:
         self.group = ddp.process_group
         self.world = ddp.world_size
         self.rank = dist.get_rank(self.group)
-        self.device = group_device(self.group)
+        self.device = ddp.engine.device  # the user's group has the same backend
         self.last_active = None  # who trained in the latest step that had anyone
 
     def __enter__(self):

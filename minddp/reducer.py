@@ -367,20 +367,25 @@ class Reducer:
     # silently. The stamp rides in slots behind bucket 0's buffer where
     # minddp's own exact reduction sums it (n taken modulo a bound under which
     # the float sums are exact); elsewhere (a comm hook, compression, half
-    # precision) it takes a small all-reduce of its own, which costs about
-    # 1 ms per backward on 2 CPU cores shared by 2 ranks. A rank that has
-    # joined (join.py) adds zeros.
+    # precision) it takes a small all-reduce of its own, a collective more per
+    # backward, which the carried stamp saves. A rank that has joined
+    # (join.py) adds zeros.
     def _check_step(self, n):
         """Put this backward's stamp where it will be summed; None, or the Future
         of a collective of its own where bucket 0 cannot carry it."""
         if self.sum_step is None:
             return None
-        carrier = self.buckets[0].carrier
-        if carrier is not None and self.reduction.carries_stamp:
+        if self._carried():
+            carrier = self.buckets[0].carrier
             m = n % self._stamp_modulus(carrier.dtype)
-            carrier[-STAMP:].copy_(torch.tensor([1, m, m * m], dtype=carrier.dtype))
+            for slot, value in zip(range(-STAMP, 0), (1, m, m * m)):
+                carrier[slot].fill_(value)  # no host-to-device copy to wait for
             return None
         return self.sum_step(torch.tensor([1, n, n * n], dtype=torch.int64))
+
+    def _carried(self):
+        """Whether bucket 0 carries the stamp (its slots, summed exactly)."""
+        return self.buckets[0].carrier is not None and self.reduction.carries_stamp
 
     def _stamp_modulus(self, dtype):
         """Stamps (1, m, m^2) with m below this sum exactly in `dtype` over every rank."""
@@ -412,16 +417,16 @@ class Reducer:
         launched, tell the peers, and become BROKEN."""
         missing = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
         waiting = [b for b in range(len(self.buckets)) if self._futures[b] is None]
+        if self.progress is not None:  # first: a peer may be waiting for this rank
+            self.progress.abandon(f"abandoned iteration {self.iterations}: its backward did not "
+                                  f"finish (buckets {_spans(waiting)} never launched)")
         launched = [f for f in [self._step_future, *self._futures, self._used_future]
                     if f is not None]
         for future in launched:  # so that none of it can pair with a later iteration
-            try:
-                future.wait()
-            except Exception:  # noqa: BLE001 - the iteration is lost either way
-                pass
-        if self.progress is not None:
-            self.progress.abandon(f"abandoned iteration {self.iterations}: its backward did not "
-                                  f"finish (buckets {_spans(waiting)} never launched)")
+            try:  # a peer that broke too leaves a note, which ends the wait at once
+                self._wait(future, "a bucket of the broken iteration")
+            except RuntimeError:
+                pass  # the iteration is lost either way
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8
                                           else "")
         self._break(
@@ -469,11 +474,10 @@ class Reducer:
         for bucket in self.buckets:
             (bucket.carrier if bucket.carrier is not None else bucket.buffer).zero_()
         futures = []
-        if self.sum_step is not None and not (self.buckets[0].carrier is not None and
-                                              self.reduction.carries_stamp):
+        if self.sum_step is not None and not self._carried():
             futures.append(self.sum_step(torch.zeros(3, dtype=torch.int64)))
         futures += [self._launch(b) for b in range(len(self.buckets))]
-        if self.find_unused:
+        if self.find_unused or self.in_first_static_iteration:
             futures.append(self.count_used(torch.zeros_like(self.local_used)))
         for future in futures:
             self._wait(future, "the buckets (joined rank, zeros)")
