@@ -60,7 +60,9 @@ setup(
     name="minddp",
     version="0.1.0",
     description="PyTorch DistributedDataParallel internals, rebuilt to read and to change",
-    packages=find_packages(include=["minddp", "minddp.*"]),
+    # benchmarks and examples come along so that scripts and tests import their shared
+    # code as packages (`from benchmarks.measure import ...`) wherever minddp is installed.
+    packages=find_packages(include=["minddp", "minddp.*", "benchmarks", "examples"]),
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     python_requires=">=3.9",

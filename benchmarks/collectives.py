@@ -27,20 +27,17 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from measure import (Progress, format_interval, format_table, init_distributed,  # noqa: E402
-                     median, pairwise_ratio, pairwise_ratio_interval, slowest_rank, sync,
-                     thread_cpu_ns)
-from minddp import algorithms  # noqa: E402
-from minddp.algorithms import auto, cost_model  # noqa: E402
+from benchmarks.measure import (Progress, format_interval, format_table, init_distributed,
+                                median, pairwise_ratio, pairwise_ratio_interval, slowest_rank,
+                                provenance, sync, thread_cpu_ns)
+from benchmarks.plots import plot_collectives
+from minddp import algorithms
+from minddp.algorithms import auto, cost_model
 
 SIZES = [4, 64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20,
          16 << 20, 25 << 20, 64 << 20]
@@ -221,34 +218,10 @@ def report(rows, costs, args, world):
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"collectives_p{world}")
     with open(stem + ".json", "w") as f:
-        json.dump({"rows": rows, "costs": costs.__dict__, "world_size": world}, f, indent=1)
-    plot(rows, stem + ".png", world)
+        json.dump({"meta": dict(provenance(), backend=dist.get_backend()), "rows": rows,
+                   "costs": costs.__dict__, "world_size": world}, f, indent=1)
+    plot_collectives(rows, stem + ".png", world)
     print(f"wrote {stem}.json and {stem}.png")
-
-
-def plot(rows, path, world):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name in dict.fromkeys(r["algorithm"] for r in rows):
-        mine = [r for r in rows if r["algorithm"] == name]
-        sizes = [r["bytes"] for r in mine]
-        left.plot(sizes, [r["time_us"] for r in mine], marker="o", label=name)
-        if name != "native" and mine[0]["ratio_to_native"] is not None:
-            right.plot(sizes, [r["ratio_to_native"] for r in mine], marker="o", label=name)
-    left.set(xscale="log", yscale="log", xlabel="message bytes", ylabel="median time (us)",
-             title=f"all-reduce time, {world} ranks")
-    right.axhline(1.0, color="black", linewidth=1, linestyle="--")
-    right.set(xscale="log", xlabel="message bytes", ylabel="time / native (median of pairs)",
-              title="relative to the backend's all-reduce")
-    left.legend()
-    if right.get_legend_handles_labels()[0]:  # nothing but native: no ratios to plot
-        right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main():

@@ -33,15 +33,14 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from configs import CONFIG_NAMES, build_configs  # noqa: E402
-from plots import plot_compare  # noqa: E402
-from measure import (Progress, format_interval, format_table, init_distributed, median,  # noqa: E402
-                     pairwise_difference, pairwise_ratio, pairwise_ratio_interval,
-                     peak_rss_mb, slowest_rank, sync)
-from workloads import WORKLOADS  # noqa: E402
-
-from minddp.timeline import hidden_share  # noqa: E402
+from benchmarks.configs import CONFIG_NAMES, build_configs
+from benchmarks.measure import (Progress, format_interval, format_table, init_distributed,
+                                median, pairwise_difference, pairwise_ratio,
+                                pairwise_ratio_interval, peak_rss_mb, provenance, slowest_rank,
+                                sync)
+from benchmarks.plots import plot_compare
+from benchmarks.workloads import WORKLOADS
+from minddp.timeline import hidden_share
 
 COLUMNS = [("workload", "workload", "{}"), ("name", "config", "{}"),
            ("step_ms", "step ms", "{:.1f}"), ("samples_per_s", "samples/s", "{:.1f}"),
@@ -187,8 +186,8 @@ def run(args, rank, world_size, device):
                  for r in rows]
         print(format_table(shown, COLUMNS))
         os.makedirs(args.out, exist_ok=True)
-        meta = {"world_size": world_size, "device": str(device), "steps": args.steps,
-                "warmup": args.warmup, "torch": torch.__version__, "argv": sys.argv[1:]}
+        meta = dict(provenance(), world_size=world_size, device=str(device),
+                    backend=dist.get_backend(), steps=args.steps, warmup=args.warmup)
         with open(os.path.join(args.out, "compare.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         png = plot_compare(rows, os.path.join(args.out, "compare.png"))
@@ -199,7 +198,7 @@ def run(args, rank, world_size, device):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--scaling" in argv:  # several worlds: scaling.py starts torchrun for each
-        import scaling
+        from benchmarks import scaling
         return scaling.main([a for a in argv if a != "--scaling"])
     args = parse_args(argv)
     rank, world_size, device = init_distributed(args.device)

@@ -33,11 +33,11 @@ import time
 
 import torch
 
-KEEP_HEAP = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
+from benchmarks.measure import provenance
+from minddp import compression  # loads minddp._C
+from minddp.compression_reference import scale_from_amax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from minddp import compression  # noqa: E402 - loads minddp._C
-from minddp.compression_reference import scale_from_amax  # noqa: E402
+KEEP_HEAP = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
 
 
 def variants(x, dtype):
@@ -139,8 +139,8 @@ def main():
         rows += report(table, measure(table, args.device, args.reps), label)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"mib": args.mib, "dtype": args.dtype, "where": where, "rows": rows}, f,
-                      indent=1)
+            json.dump({"meta": provenance(), "mib": args.mib, "dtype": args.dtype, "where": where,
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ machine (another process, a frequency drop) slows both sides of a ratio.
 import datetime
 import math
 import os
+import platform
 import resource
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -175,6 +177,50 @@ class Progress:
         end = "\n" if (self.done == self.total or not self.tty) else ""
         sys.stderr.write(("\r" if self.tty else "") + line + end)
         sys.stderr.flush()
+
+
+def provenance():
+    """Where and how a result file was made, stored in it so that a figure in the docs
+    names the command that reproduces it, the commit and the machine."""
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), _REPO)
+    launcher = (f"torchrun --nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"
+                if "LOCAL_WORLD_SIZE" in os.environ else "python")
+    return {"command": " ".join([launcher, script, *sys.argv[1:]]), "commit": _commit(),
+            "machine": _machine(), "torch": torch.__version__,
+            "date": datetime.date.today().isoformat()}
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _commit():
+    """The checkout's commit, "+changes" when tracked files differ from it."""
+    def git(*args):
+        return subprocess.run(["git", "-C", _REPO, *args], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    try:
+        head = git("rev-parse", "--short=7", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + ("+changes" if dirty else "")) or "unknown"
+
+
+def _machine():
+    cpu = platform.processor() or platform.machine()
+    memory_gib = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+        with open("/proc/meminfo") as f:
+            memory_gib = round(int(f.readline().split()[1]) / 2**20)
+    except OSError:
+        pass
+    text = f"{os.cpu_count()} x {cpu}" + (f", {memory_gib} GiB" if memory_gib else "")
+    if torch.cuda.is_available():
+        text += f", {torch.cuda.get_device_name()}"
+    return text
 
 
 def format_table(rows, columns):

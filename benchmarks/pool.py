@@ -22,12 +22,9 @@ interval, how many runs are under 1 and the number of steps pooled.
 """
 import argparse
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import (format_interval, format_table, interval_or_none, median,  # noqa: E402
-                     step_ratios)
+from benchmarks.measure import (format_interval, format_table, interval_or_none, median,
+                                step_ratios)
 
 COLUMNS = [("workload", "workload", "{}"), ("name", "config", "{}"),
            ("runs", "each run", "{}"), ("ratio", "pooled vs torch_ddp", "{:.3f}"),

@@ -16,9 +16,10 @@ import os
 import subprocess
 import sys
 
+from benchmarks.measure import format_table, provenance
+from benchmarks.plots import plot_scaling
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from measure import format_table  # noqa: E402
 
 CONFIGS = "no_comm,torch_ddp,minddp_native,minddp_auto"
 
@@ -60,23 +61,6 @@ def efficiency_rows(by_world):
     return rows
 
 
-def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key in dict.fromkeys((r["workload"], r["name"]) for r in rows):
-        mine = [r for r in rows if (r["workload"], r["name"]) == key]
-        ax.plot([r["world_size"] for r in mine], [r["samples_per_s"] for r in mine], marker="o",
-                label=" ".join(key))
-    ax.set_xlabel("ranks")
-    ax.set_ylabel("samples/s (all ranks)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv=None):
     args = parse_args(argv)
     worlds = [int(n) for n in args.worlds.split(",")]
@@ -91,8 +75,8 @@ def main(argv=None):
                               ("samples_per_s", "samples/s", "{:.1f}"),
                               ("efficiency", "efficiency", "{:.0%}")]))
     with open(os.path.join(args.out, "scaling.json"), "w") as f:
-        json.dump({"cores": cores, "rows": rows}, f, indent=1)
-    plot(rows, os.path.join(args.out, "scaling.png"))
+        json.dump({"meta": provenance(), "cores": cores, "rows": rows}, f, indent=1)
+    plot_scaling(rows, os.path.join(args.out, "scaling.png"))
     print(f"wrote {args.out}/scaling.json and {args.out}/scaling.png")
 
 

@@ -4,14 +4,9 @@ No timing is asserted here: performance figures come from the benchmarks
 themselves, run on a quiet machine.
 """
 import json
-import os
-import sys
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-sys.path.insert(0, BENCH)
-
-import compare  # noqa: E402
-from dist_harness import run_world  # noqa: E402
+from benchmarks import compare
+from dist_harness import run_world
 
 
 def _compare(rank, world_size, out):
@@ -47,7 +42,7 @@ def test_compare_writes_every_row(tmp_path):
 
 def _collectives(rank, world_size, out):
     import torch
-    import collectives
+    from benchmarks import collectives
     args = collectives.parse_args(["--sizes", "4", "4096", "--budget", "0.05", "--model", "--cpu",
                                    "--algorithms", *collectives.ALGORITHMS,
                                    collectives.NOISE_FLOOR, "--out", out])
@@ -58,7 +53,7 @@ def _collectives(rank, world_size, out):
 
 
 def test_collectives_writes_a_row_per_algorithm_and_size(tmp_path):
-    import collectives
+    from benchmarks import collectives
     rows = run_world(_collectives, 2, str(tmp_path), timeout=240)[0]
     with open(tmp_path / "collectives_p2.json") as f:
         written = json.load(f)["rows"]
@@ -91,7 +86,7 @@ def test_collectives_writes_a_row_per_algorithm_and_size(tmp_path):
 
 
 def test_relative_to_best_pairs_each_repetition_with_the_fastest():
-    import collectives
+    from benchmarks import collectives
     # Slow spells hit whole repetitions: b (the lowest median) ran slow in
     # repetitions 3-4, a in 2-4. a is 1.1x b in all but one repetition; its
     # median over b's would say 5.5.
@@ -112,7 +107,7 @@ def test_relative_to_best_pairs_each_repetition_with_the_fastest():
 def test_median_interval_takes_the_binomial_order_statistics():
     import math
 
-    import measure
+    from benchmarks import measure
     # 20 values: the 6th smallest and 6th largest (P(outside) = 2 * P(Bin(20, 1/2) <= 5) = 4.1%).
     assert measure.median_interval(list(range(20, 0, -1))) == (6, 15)
     assert measure.median_interval(range(1, 7)) == (1, 6)  # 2 / 64 = 3.1% outside
@@ -134,7 +129,7 @@ def _compare_json(path, steps):
 
 
 def test_pool_pairs_steps_within_each_run(tmp_path):
-    import pool
+    from benchmarks import pool
     # Run a is slow throughout. Within each run the ring is 0.9x torch DDP on
     # every step; pairing across runs (a's ring with b's torch) would give 1.8
     # or 0.45, and a ratio of medians of the pooled times gives auto 0.95, not 1.
@@ -156,7 +151,7 @@ def test_pool_pairs_steps_within_each_run(tmp_path):
 def test_pool_refuses_a_run_without_torch_ddp(tmp_path):
     import pytest
 
-    import pool
+    from benchmarks import pool
     a = _compare_json(tmp_path / "a.json", {"torch_ddp": [1.0], "minddp_ring": [1.0]})
     b = _compare_json(tmp_path / "b.json", {"minddp_ring": [1.0]})
     with pytest.raises(SystemExit, match="b.json has no torch_ddp row for transformer"):

@@ -128,8 +128,7 @@ def test_ddp_gradients_never_overflow(algorithm, kind):
 
 
 def _train(rank, world_size, algorithm, steps):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from workloads import SimpleTransformer, _text_batch, lm_loss
+    from benchmarks.workloads import SimpleTransformer, _text_batch, lm_loss
 
     losses = []
     # The uncompressed baseline on the backend's all-reduce: the same sums, sooner.

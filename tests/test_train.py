@@ -1,4 +1,4 @@
-"""benchmarks/train.py: the course's training workflow on minddp, against torch DDP.
+"""examples/train.py: the course's training workflow on minddp, against torch DDP.
 
 Every test trains a tiny SimpleTransformer (1 layer, d_model 32, 16 tokens,
 vocabulary 100) for a few steps, in-process on a gloo world, so the whole file
@@ -7,20 +7,13 @@ runs in well under two minutes on two cores.
 import json
 import math
 import os
-import sys
 
 import pytest
 import torch
 
 from dist_harness import run_world
+from examples import train, train_compare, train_utils
 from minddp.algorithms import ALGORITHMS
-
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-sys.path.insert(0, BENCH)
-
-import train  # noqa: E402
-import train_compare  # noqa: E402
-import train_utils  # noqa: E402
 
 TINY = ["--samples", "32", "--val-samples", "16", "--seq-len", "16", "--vocab", "100",
         "--d-model", "32", "--layers", "1", "--heads", "2", "--ff", "64", "--batch-size", "4",
@@ -146,7 +139,7 @@ def test_accumulation_with_no_sync_equals_one_large_batch(tmp_path):
 # -- checkpoints load into torch DDP ------------------------------------------------
 def _load_into_torch(rank, world_size, out):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
-    from workloads import SimpleTransformer
+    from benchmarks.workloads import SimpleTransformer
 
     _train(rank, world_size, out, "--epochs", "1", "--ddp", "minddp")
     state = torch.load(os.path.join(out, "latest.pt"), weights_only=False)

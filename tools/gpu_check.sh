@@ -144,7 +144,7 @@ step_kernels_bench() {
 # train.py --amp, briefly: 1 rank runs as a plain script (a world of one, NCCL).
 step_train() {
     local ranks=$1 backend=$2 out="$RESULTS/train-amp-$1rank-$2"
-    local args=(benchmarks/train.py --amp --device cuda --samples 128 --val-samples 32
+    local args=(examples/train.py --amp --device cuda --samples 128 --val-samples 32
                 --epochs 1 --out "$out")
     if [ "$ranks" -eq 1 ]; then
         "$PY" "${args[@]}" || return 1

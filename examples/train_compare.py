@@ -1,6 +1,6 @@
 """`train.py --compare`: the same training under torch DDP and every minddp flavour.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/train.py --compare
+    torchrun --standalone --nproc_per_node=2 examples/train.py --compare
 
 Each flavour trains from the same seeds (initial weights, data order, dropout
 masks), one after the other in one process group, into OUT/<flavour>/. Then
@@ -14,9 +14,9 @@ absent with minddp's reason, not run. `--flavours` picks the rows, e.g.
 import argparse
 import os
 
-import train_utils as tu
-from measure import format_table
-from train_utils import FlavourUnavailable
+from examples import train_utils as tu
+from benchmarks.measure import format_table
+from examples.train_utils import FlavourUnavailable
 
 # Default rows: "torch_ddp[_fp16|_bf16]" or "minddp_<algorithm>[_fp16|_bf16]".
 FLAVOURS = ["torch_ddp", "minddp_native", "minddp_ring", "minddp_tree", "minddp_ring_fp16"]

@@ -1,10 +1,10 @@
 """The course's training workflow (SPEC "Workloads") on torch DDP or minddp.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/train.py --ddp minddp
-    torchrun --standalone --nproc_per_node=2 benchmarks/train.py --ddp torch
-    torchrun --standalone --nproc_per_node=2 benchmarks/train.py --ddp minddp --resume
-    torchrun --standalone --nproc_per_node=2 benchmarks/train.py --compare
-    python benchmarks/train.py --samples 64 --epochs 1      # one process, no torchrun
+    torchrun --standalone --nproc_per_node=2 examples/train.py --ddp minddp
+    torchrun --standalone --nproc_per_node=2 examples/train.py --ddp torch
+    torchrun --standalone --nproc_per_node=2 examples/train.py --ddp minddp --resume
+    torchrun --standalone --nproc_per_node=2 examples/train.py --compare
+    python examples/train.py --samples 64 --epochs 1      # one process, no torchrun
 
 SimpleTransformer on DummyTextDataset; DistributedSampler with set_epoch; AdamW,
 linear warm-up from 0.1x then cosine; gradient clipping; `--accumulate N` runs
@@ -31,7 +31,6 @@ import math
 import os
 import shutil
 import socket
-import sys
 import time
 
 import torch
@@ -40,13 +39,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader, DistributedSampler
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_utils as tu  # noqa: E402
-from measure import Progress, init_distributed  # noqa: E402
-from train_compare import FLAVOURS, compare, parse_flavour  # noqa: E402
-from workloads import DummyTextDataset, SimpleTransformer, lm_loss  # noqa: E402
-
-import minddp  # noqa: E402
+import minddp
+from benchmarks.measure import Progress, init_distributed
+from benchmarks.workloads import DummyTextDataset, SimpleTransformer, lm_loss
+from examples import train_utils as tu
+from examples.train_compare import FLAVOURS, compare, parse_flavour
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],

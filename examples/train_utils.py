@@ -1,4 +1,4 @@
-"""Helpers of benchmarks/train.py: schedule, seeding, checkpoints, history, plots.
+"""Helpers of examples/train.py: schedule, seeding, checkpoints, history, plots.
 
 Kept apart so train.py reads as the training loop and nothing else.
 """

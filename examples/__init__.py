@@ -1,0 +1,1 @@
+"""Applications built on minddp: the course's training workflow (`train.py`)."""
