@@ -8,9 +8,9 @@ every rank, and a single FIFO consumer makes that order the submission order.
 `engine_for(group)` gives every wrapper over the same ranks the same engine
 and the same gradient group (`dist.new_group` over those ranks, so the user's
 collectives on their own group never interleave with gradient traffic), and
-a side group for the wrappers' small checks. Two
-wrappers on one group share its FIFO, as torch's DDPs share their process
-group; re-wrapping a model or unpickling a wrapper needs no new group.
+a side group for the wrappers' small checks. Two wrappers on one group share
+its FIFO, as torch's DDPs share their process group; re-wrapping a model or
+unpickling a wrapper needs no new group.
 
 Futures carry the device of the tensor they return: on CUDA the consumer's
 stream waits for the communication before it reads the result.

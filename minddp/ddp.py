@@ -32,8 +32,8 @@ from minddp.reduction import AlgorithmReduction, HookReduction
 from minddp.timeline import from_environment
 
 COMPRESSIONS = (None, "fp16", "bf16")
-# torch 2.13 renamed broadcast_buffers to forward_sync_buffers; older torch has
-# only the old name, and minddp follows the torch it runs on in its warnings.
+# From torch 2.13 on, forward_sync_buffers replaces broadcast_buffers; older
+# torch has only the old name, and minddp's warnings follow the torch it runs on.
 _TORCH_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(
     nn.parallel.DistributedDataParallel.__init__).parameters
 _constructed = collections.Counter()  # ranks -> wrappers constructed over them

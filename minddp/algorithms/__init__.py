@@ -11,7 +11,7 @@ backend's own all-reduce ("native") takes none, and also offers
     tree              binary-tree reduce + broadcast, 2 log p steps, pipelined
     halving_doubling  recursive halving + doubling, 2 log p steps, bandwidth-optimal
     native            the backend's all-reduce (gloo / NCCL)
-    auto              per bucket, the one the measured cost model predicts fastest
+    auto              per bucket size, the fastest: predicted by the cost model, then timed
 
 `planner` turns a name (and a compression) into the wrapper's per-bucket job;
 this is the one place where names become code.

@@ -1,22 +1,21 @@
 """algorithm="auto": per bucket size, the fastest algorithm, predicted and then timed.
 
-A Chooser measures the links once (cost_model.measure, a collective on the
-group, 0.1-0.5 s, more if it has to measure again; later groups over the same
-ranks and backend reuse it), so the alpha-beta model predicts every
+A Chooser measures the links once (cost_model.measure, a few dozen
+collectives on the group, more if it has to measure again; later groups over
+the same ranks and backend reuse it), so the alpha-beta model predicts every
 candidate's time for any size. The model ranks well where the algorithms
-differ by their step counts, but on a busy or oversubscribed machine its line
-can be 30% off where they are close, and 10% is the difference that matters.
-So the first time a bucket size comes up (the wrapper announces its buckets at
-start-up) the candidates are also timed on that size: interleaved rounds after
-barriers (24 to 50, at least 0.4 s by the model's account), the candidates
-in a fresh order each round, the slowest rank's time per round agreed across
-ranks. The winner is the candidate whose time is the lowest multiple of each
-round's best, in the median over rounds. That costs a few dozen all-reduces
-of each candidate once per size (about 1.2 s for a 25 MiB bucket on 2 CPU
-ranks; candidates predicted over 3x slower are skipped; 2.2 s in all for the
-benchmark's transformer, 2.8 s for its MLP) and makes every rank pick the
-same algorithm. Each choice is logged once at debug level (logger
-"minddp.algorithms") with the predicted and measured times.
+differ by their step counts, but where their times are close its error, tens
+of percent on a busy or oversubscribed machine, is larger than the margin
+that decides. So the first time a bucket size comes up (the wrapper announces
+its buckets at start-up) the candidates are also timed on that size:
+interleaved rounds after barriers (MIN_ROUNDS to 50, as many as fit in about
+0.4 s by the model's account), the candidates in a fresh order each round,
+the slowest rank's time per round agreed across ranks. The winner is the
+candidate whose time is the lowest multiple of each round's best, in the
+median over rounds. That costs a few dozen all-reduces of each candidate once
+per size (not of one predicted over 3x the best and over 5 ms), and makes
+every rank pick the same algorithm. Each choice is logged once at debug level
+(logger "minddp.algorithms") with the predicted and measured times.
 
 Only candidates the group's backend can run take part (`runnable`): the
 backend's own all-reduce always, our send/recv algorithms where p2p.py knows
@@ -72,8 +71,9 @@ class Chooser:
 
     def pick(self, tensor):
         """The algorithm for `tensor`'s size, decided once, the first time it comes up."""
-        # Later calls cost one lookup: at 4 B a call is ~0.3 ms, all overhead,
-        # and a few microseconds of Python here showed as 5-10% of it.
+        # Later calls cost one lookup: an all-reduce of a few bytes is all
+        # per-call overhead, a fraction of a millisecond, so every microsecond
+        # of Python here shows.
         nbytes = tensor.nbytes
         picked = self._picked.get(nbytes)
         if picked is not None:
@@ -135,13 +135,9 @@ class Chooser:
         return CANDIDATES[name].all_reduce(tensor, self.group, codec=self.codec)
 
 
-# Fewer rounds than 24 made large sizes a coin toss: 8 rounds (all that
-# 0.4 s allows at 25 MiB on 2 CPU ranks) picked halving-doubling or native in
-# 7 of 10 fresh choosers there, where the ring was 6% and 15-30% faster
-# (collectives.py), and with a fixed rotation of the order halving-doubling 3
-# times in 10 at 4 MiB (10% slower). With 24 and a fresh order: the ring 9
-# times in 10 at 1 and 4 MiB, 8 at 16 and 25 MiB, 9 at 64 MiB; the rest
-# halving-doubling, which on 2 ranks is the same exchange unpipelined.
+# Timed rounds per size, however long each takes. Large buckets fit only a
+# handful of rounds into the time budget, and with a handful one slow round
+# decides between candidates a few percent apart.
 MIN_ROUNDS = 24
 
 
@@ -160,13 +156,10 @@ def _relative(times, names):
 # is not rare: a candidate's ratio is exactly 1 in each round it wins, and
 # torch.median takes the lower middle of an even count, so two candidates
 # that each win half the rounds both score 1 and the first listed is kept.
-# The backend's all-reduce used to keep a size unless beaten by 5%, and by
-# 15% or in 3 rounds of 4: it runs off the Python thread, and took less CPU
-# per call (25 MiB on 2 CPU ranks: 16 ms for gloo's ring, 18-21 ms for ours).
-# Since lanes and the early all-gather receives (p2p.py) ours takes about the
-# same (10.1 ms against 9.7-10.5, collectives.py --cpu), and the bias kept
-# gloo where the ring was 10-15% faster: auto ran 1.12-1.18x the best at 16
-# and 25 MiB.
+# The backend's all-reduce gets no head start for running off the Python
+# thread: ours take about as much CPU per call (lanes.py, the early receives
+# in p2p.py), so a margin in its favour would only keep it on sizes where
+# another candidate is faster.
 def _fastest(times, names):
     """The winner of `times` (candidates x rounds): the lowest `_relative` score,
     the first in `names` on a tie."""

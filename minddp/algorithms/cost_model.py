@@ -77,13 +77,14 @@ ATTEMPTS = 3
 
 
 def measure(group, repeats=(15, 7)):
-    """Measure Costs on `group`; a collective (every rank calls it), 0.1-0.5 s an attempt.
+    """Measure Costs on `group`; a collective (every rank calls it).
 
-    A large message can never take less time per byte than nothing: when beta
-    or the backend's per-byte cost comes out as zero, the small messages were
-    timed in a busy spell (seen at start-up on a loaded 2-core machine: 3 ms
-    where 0.3 ms is usual), and the whole measurement runs again, up to ATTEMPTS
-    times. Every rank tests the agreed values, so all retry together.
+    An attempt is a few dozen all-reduces. A large message can never take
+    less time per byte than nothing: when beta or the backend's per-byte cost
+    comes out as zero, the small messages were timed in a busy spell (on a
+    loaded machine a small all-reduce can take many times its usual time),
+    and the whole measurement runs again, up to ATTEMPTS times. Every rank
+    tests the agreed values, so all retry together.
     """
     for attempt in range(1, ATTEMPTS + 1):
         costs = _measure_once(group, repeats)
@@ -136,12 +137,11 @@ def _interleaved(fns, repeats, group=None, device=None):
     """Lower-quartile seconds of each fn, run in turns after one untimed warm-up round.
 
     The lower quartile, not the median: busy spells only ever slow calls down,
-    and on a loaded machine they come and go every few tens of milliseconds
-    (a 64 B all-reduce: 0.4 ms, then 3 ms for a run of calls), long enough to
-    cover half of a measurement. With a group, every call starts after a
-    barrier: otherwise a rank that left the previous call early would time its
-    wait for the others. On a CUDA `device` each call is timed to the end of
-    the work it queued.
+    and on a loaded machine they come and go every few tens of milliseconds,
+    long enough to cover half of a measurement. With a group, every call
+    starts after a barrier: otherwise a rank that left the previous call early
+    would time its wait for the others. On a CUDA `device` each call is timed
+    to the end of the work it queued.
     """
     times = [[] for _ in fns]
     synchronize = device is not None and device.type == "cuda"

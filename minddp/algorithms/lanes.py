@@ -2,21 +2,18 @@
 
 gloo joins two ranks by one TCP connection, guarded by one lock. A send whose
 receive the peer has already posted is written by the thread that posts it,
-holding that lock for the whole write (a 2 MiB segment). Data arriving from
-the peer meanwhile finds the lock taken; gloo's event loop then goes back to
-epoll_wait, which at once reports the same unread data again: it spins, on
-the CPU the writer needs. Any algorithm that sends both ways between the same
+holding that lock for the whole write (up to p2p.SEGMENT_BYTES). Data
+arriving from the peer meanwhile finds the lock taken; gloo's event loop then
+goes back to epoll_wait, which at once reports the same unread data again: it
+spins, on the CPU the writer needs. Any algorithm that sends both ways between the same
 two ranks at once meets this: the ring on two ranks, halving-doubling's
 exchanges, the tree's two-rank exchange, a tree's pipelined up and down.
 
 So each gloo group gets a second process group over the same ranks (its
 reverse lane): messages from a lower to a higher rank travel on the group
 itself, from higher to lower on the lane. Each connection then carries data
-one way only, and the writer and the reader of one rank never want the same
-lock. On 2 CPU ranks (benchmarks/collectives.py, README "All-reduce
-algorithms") the ring went from 1.17 of gloo's all-reduce time to 0.86-1.05
-at 1 MiB, from 1.27 to 0.78 at 16 MiB, and from 0.93-0.98 to 0.91-0.95 at
-25 MiB.
+one way only: the writer and the reader of one rank never want the same
+lock, so no event loop spins while a segment is written.
 
 NCCL keeps one lane: its point-to-point has no such lock, and a second
 communicator would cost GPU memory.

@@ -59,14 +59,14 @@ from minddp import devices
 from minddp.algorithms import lanes
 
 # Segment size: big enough that the per-message cost is small, small enough
-# that adding one segment overlaps receiving the next. gloo's own ring uses
-# 1 MiB, but each of our messages also costs a c10d work object, a Python
-# wake-up and gloo's ready notices: at 2 MiB a 25 MiB ring on 2 CPU ranks ran
-# 0.95-1.08 of gloo's time, at 1 MiB 1.12-1.25 (benchmarks/collectives.py).
+# that adding one segment overlaps receiving the next. Larger than gloo's own
+# ring's 1 MiB because each of our messages also costs a c10d work object, a
+# Python wake-up and gloo's ready notices.
 SEGMENT_BYTES = 2 << 20
 # Bytes of receives in flight per peer while adding: reused buffers, so they
 # stay in cache, yet enough segments (4) that the link never waits for a
-# receive to be posted (a wake-up can take 0.2 ms on a busy machine).
+# receive to be posted (a thread's wake-up can take a fraction of a
+# millisecond on a busy machine).
 WINDOW_BYTES = 8 << 20
 
 _local = threading.local()  # per thread: scratch buffers, group membership
@@ -224,7 +224,7 @@ class Link:
 
         "add" receives land in reused buffers, WINDOW_BYTES per peer in flight:
         they stay in cache, where the kernel writes the data and the add reads
-        it (a buffer per segment measured 1.5x the kernel's copy time).
+        it; a fresh buffer per segment would be cold for both.
         Receives are posted in list order (gloo matches a message to the
         first receive posted for its peer and tag), except that a "set" whose
         peer and tag no "add" shares goes up as soon as the window blocks,
@@ -261,11 +261,9 @@ class Link:
         post_in_order()
         # A "set" whose peer and tag no "add" shares cannot take an add's
         # message, so it need not wait behind the window (under NCCL's rules,
-        # which ignore tags, it could): gloo writes a message only once its
-        # receive is posted, and the ring's all-gather would wait for the
-        # reduce-scatter's last adds (2 ranks: the ring at 64 MiB went from
-        # 0.89-0.90 of gloo's time to 0.80-0.82, at 25 MiB from 0.94 to
-        # 0.86-0.87; benchmarks/collectives.py, two runs each).
+        # which ignore tags, it could). gloo writes a message only once its
+        # receive is posted, so held back, the ring's all-gather would wait
+        # for the reduce-scatter's last adds.
         if next_up[0] < len(recvs):
             adders_tags = {(peer, its_tag) for peer, _, how, its_tag in recvs if how == "add"}
             for i in range(next_up[0], len(recvs)):

@@ -41,8 +41,7 @@ TAG = 20
 # each the time of one segment.
 SEGMENT_BYTES = 256 << 10
 # Two ranks exchange messages up to this size (both send and add everything);
-# above it, the up-and-down path, which sends each byte once each way, is
-# faster (256 KiB on 2 CPU ranks: 0.66 of gloo's time exchanging, 0.59 not).
+# above it the up-and-down path, which sends each byte once each way, wins.
 EXCHANGE_BYTES = 64 << 10
 
 
@@ -101,9 +100,8 @@ def _one_segment(link, parent, children):
     The messages of the pipeline with k = 1, posted straight to the process
     group (a leaf posts its receive once its send is done, not before). At a
     few bytes a call is all per-message overhead, and every line of Python
-    before or between messages lies on the critical path: at 4 B on 2 ranks
-    the exchange's bookkeeping took the tree to 1.2x gloo's all-reduce, this
-    path to about 1.0x (benchmarks/collectives.py --sizes 4).
+    before or between messages lies on the critical path, so this path skips
+    Link.exchange's bookkeeping (windows, rounds, forwarding).
     """
     flat = link.flat
     bufs = [link.scratch(flat, k) for k in range(len(children))]
