@@ -1,11 +1,13 @@
 # make test   set up .venv (first time) and run the test suite
 # make bench  set up .venv (first time) and run the side-by-side benchmark
+# make docs   regenerate docs/results.md and README's results table from docs/results/
+# make results  run the benchmarks behind docs/results.md again (about 20 minutes), then docs
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 2
 STAMP  := $(VENV)/.minddp-installed
 
-.PHONY: test bench setup clean gpu-check
+.PHONY: test bench setup clean gpu-check docs results
 
 setup: $(STAMP)
 
@@ -16,8 +18,18 @@ $(STAMP): setup.py tools/make_venv.sh $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*
 test: $(STAMP)
 	$(PY) -m pytest tests
 
+RUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 bench: $(STAMP)
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) benchmarks/compare.py
+	$(RUN) benchmarks/compare.py
+
+docs: $(STAMP)
+	$(PY) benchmarks/report.py
+
+results: $(STAMP)
+	$(RUN) benchmarks/compare.py --steps 30 --timeline --out docs/results
+	$(RUN) benchmarks/collectives.py --model --algorithms native ring tree halving_doubling auto native_again --out docs/results
+	$(PY) benchmarks/kernels.py --json docs/results/kernels.json
+	$(PY) benchmarks/report.py
 
 # On a machine with CUDA: build with the CUDA kernels, run the GPU tests and short
 # GPU benchmarks, log to results/gpu-check.log (tools/gpu_check.sh says more).

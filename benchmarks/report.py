@@ -1,0 +1,213 @@
+"""Writes docs/results.md, its pictures and README.md's results table from the result
+files the benchmarks wrote.
+
+    python benchmarks/report.py                 # = make docs
+    python benchmarks/report.py --check         # fail if either page is out of date
+
+Reads, from --results (default docs/results): compare.json (compare.py),
+trace.transformer.minddp_auto.rank0.json (compare.py --timeline: that row's trace),
+collectives_p*.json (collectives.py) and kernels.json (kernels.py --json);
+a file that is absent leaves its section out. Every file carries the command
+that made it, the commit and the machine (benchmarks.measure.provenance), and
+the page repeats them, so every figure in the docs can be made again.
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+
+from benchmarks.measure import format_interval
+from benchmarks.plots import plot_collectives, plot_compare, plot_timeline
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRACE = "trace.transformer.minddp_auto.rank0.json"  # the step the docs show
+README = os.path.join(REPO, "README.md")
+README_BEGIN, README_END = "<!-- results:begin", "<!-- results:end -->"
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _made_by(meta):
+    return (f"Made by `{meta['command']}` at commit `{meta['commit']}` on {meta['machine']}, "
+            f"torch {meta['torch']}, {meta['date']}.")
+
+
+def _table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _num(value, fmt):
+    return "-" if value is None else fmt.format(value)
+
+
+def compare_section(path, img):
+    data = _load(path)
+    meta, rows = data["meta"], data["rows"]
+    plot_compare(rows, os.path.join(img, "compare.png"))
+    body = [_table(
+        ["workload", "config", "step ms", "vs torch_ddp", "95% interval", "exposed comm ms",
+         "hidden", "MB sent / step"],
+        [[r["workload"], r["name"], _num(r.get("step_ms"), "{:.1f}"),
+          _num(r.get("ratio_to_torch_ddp"), "{:.3f}"),
+          format_interval(r.get("ratio_to_torch_ddp_ci"), digits=3) or "-",
+          _num(r.get("exposed_comm_ms"), "{:.1f}"), _num(r.get("hidden_share"), "{:.0%}"),
+          _num(r.get("bytes_sent_mb"), "{:.1f}")] for r in rows])]
+    return (["## compare.py: minddp next to torch DDP", "", _made_by(meta),
+             f"{meta['world_size']} ranks, {meta['backend']} on {meta['device']}, "
+             f"{meta['warmup']} warm-up + {meta['steps']} measured steps per configuration, "
+             "interleaved. A ratio under 1 is faster than torch DDP; an interval that holds 1 "
+             "means this run could not tell the two apart.", "", *body, "",
+             "![step time per configuration](img/compare.png)", ""])
+
+
+def readme_table(path):
+    """README.md's one results table: each workload's step time relative to torch DDP."""
+    data = _load(path)
+    meta, rows = data["meta"], data["rows"]
+    names = [n for n in dict.fromkeys(r["name"] for r in rows) if n not in ("torch_ddp",)]
+    table = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        mine = {r["name"]: r for r in rows if r["workload"] == workload}
+        cells = [workload, _num(mine.get("torch_ddp", {}).get("step_ms"), "{:.1f}")]
+        for name in names:
+            r = mine.get(name, {})
+            ci = format_interval(r.get("ratio_to_torch_ddp_ci"))
+            cells.append(_num(r.get("ratio_to_torch_ddp"), "{:.2f}") + (f" ({ci})" if ci else ""))
+        table.append(cells)
+    return "\n".join([
+        f"Step time relative to torch DDP on {meta['world_size']} {meta['device']} ranks "
+        f"({meta['backend']}), median of per-step ratios over {meta['steps']} interleaved steps "
+        "with its 95% interval (under 1: faster; an interval that holds 1: not told apart). "
+        + _made_by(meta), "",
+        _table(["workload", "torch_ddp ms", *names], table), "",
+        "![step time per configuration](docs/img/compare.png)"])
+
+
+def with_readme_table(readme, table):
+    """README text with the block between the results markers replaced by `table`."""
+    begin = readme.index(README_BEGIN)
+    begin = readme.index("\n", begin) + 1
+    end = readme.index(README_END)
+    return readme[:begin] + table + "\n" + readme[end:]
+
+
+def timeline_section(path, img):
+    with open(path) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    plot_timeline(events, os.path.join(img, "timeline.png"))
+    name = os.path.basename(path)
+    return ["## One step on the timeline", "",
+            f"The last measured step of `{name}` (rank 0), written by the compare.py run above "
+            "with `--timeline`: backward on the training thread with the moment each bucket "
+            "became ready, each bucket's all-reduce on the communication thread, and the "
+            "finalize that writes `.grad`. Open the file in https://ui.perfetto.dev for all "
+            "steps.", "", "![one step](img/timeline.png)", ""]
+
+
+def collectives_section(path, img):
+    data = _load(path)
+    meta, rows, world = data["meta"], data["rows"], data["world_size"]
+    stem = os.path.splitext(os.path.basename(path))[0]
+    plot_collectives(rows, os.path.join(img, stem + ".png"), world)
+    algorithms = [a for a in dict.fromkeys(r["algorithm"] for r in rows) if a != "native"]
+    by_size = {}
+    for r in rows:
+        by_size.setdefault(r["bytes"], {})[r["algorithm"]] = r
+    table = []
+    for size, mine in sorted(by_size.items()):
+        cells = [_human(size), _num(mine.get("native", {}).get("time_us"), "{:.0f}")]
+        for a in algorithms:
+            r = mine.get(a, {})
+            ratio = _num(r.get("ratio_to_native"), "{:.2f}")
+            cells.append(ratio + (f" ({r['picked']})" if r.get("picked") else ""))
+        table.append(cells)
+    return [f"## collectives.py: all-reduce on {world} ranks", "", _made_by(meta),
+            "Cells: median over interleaved repetitions of each algorithm's time / the backend's "
+            "own all-reduce (native) at that size, the slowest rank's time; `native_again` is "
+            "native timed a second time, the run's noise floor; auto's pick in brackets.", "",
+            _table(["size", "native us", *[f"{a} / native" for a in algorithms]], table), "",
+            f"![all-reduce time against size](img/{stem}.png)", ""]
+
+
+def kernels_section(path):
+    data = _load(path)
+    meta = data["meta"]
+    table = [[r["setting"], r["op"], f"{r['fused_gbs']:.1f}", f"{r['unfused_gbs']:.1f}",
+              f"{r['time_ratio']:.2f}", f"{r['copy_fraction']:.2f}"] for r in data["rows"]]
+    return ["## kernels.py: compression kernels", "", _made_by(meta),
+            f"{data['mib']} MiB of float32 to {data['dtype']} on {data['where']}. GB/s counts "
+            "the bytes an op must move at least; the last column is the fraction of a plain "
+            "copy's bandwidth the fused kernel reaches.", "",
+            _table(["setting", "op", "fused GB/s", "torch ops GB/s", "fused / torch time",
+                    "fused / copy"], table), ""]
+
+
+def _human(n):
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+def render(results, img):
+    """The page's text; writes the pictures into `img` as it goes."""
+    os.makedirs(img, exist_ok=True)
+    lines = ["# Results", "",
+             "Generated by `python benchmarks/report.py` (`make docs`) from the files in "
+             "[`docs/results/`](results/); do not edit it by hand. To refresh a section, run "
+             "the command it names with `--out docs/results` (kernels.py: `--json "
+             "docs/results/kernels.json`), then `make docs`. "
+             "[benchmarks.md](benchmarks.md) explains the columns.", ""]
+    if os.path.exists(os.path.join(results, "compare.json")):
+        lines += compare_section(os.path.join(results, "compare.json"), img)
+    if os.path.exists(os.path.join(results, TRACE)):
+        lines += timeline_section(os.path.join(results, TRACE), img)
+    for path in sorted(glob.glob(os.path.join(results, "collectives_p*.json"))):
+        lines += collectives_section(path, img)
+    if os.path.exists(os.path.join(results, "kernels.json")):
+        lines += kernels_section(os.path.join(results, "kernels.json"))
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--results", default=os.path.join(REPO, "docs", "results"))
+    p.add_argument("--out", default=os.path.join(REPO, "docs", "results.md"))
+    p.add_argument("--readme", default=README, help="the page whose results block to update")
+    p.add_argument("--check", action="store_true",
+                   help="compare with the existing page instead of writing it (pictures are "
+                        "drawn into a scratch folder)")
+    args = p.parse_args(argv)
+    with open(args.readme) as f:
+        readme = f.read()
+    compare = os.path.join(args.results, "compare.json")
+    new_readme = (with_readme_table(readme, readme_table(compare)) if os.path.exists(compare)
+                  else readme)
+    if args.check:
+        import tempfile
+        with tempfile.TemporaryDirectory() as scratch:
+            text = render(args.results, scratch)
+        with open(args.out) as f:
+            stale = [path for path, old, new in ((args.out, f.read(), text),
+                                                 (args.readme, readme, new_readme)) if old != new]
+        if stale:
+            sys.exit(f"{', '.join(stale)}: out of date with {args.results}; run `make docs`")
+        print(f"{args.out} and {args.readme} are up to date")
+        return
+    text = render(args.results, os.path.join(os.path.dirname(args.out), "img"))
+    with open(args.out, "w") as f:
+        f.write(text)
+    with open(args.readme, "w") as f:
+        f.write(new_readme)
+    print(f"wrote {args.out} and the results table in {args.readme}")
+
+
+if __name__ == "__main__":
+    main()

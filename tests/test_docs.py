@@ -1,0 +1,109 @@
+"""The README and docs/ stay true: every command they show names a script, flags and make
+targets that exist, every path and link they give exists, and the generated results are
+in step with the result files they come from."""
+import glob
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
+                               for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+PATH_PREFIXES = ("minddp/", "benchmarks/", "examples/", "docs/", "tests/", "tools/", "csrc/")
+
+
+def _text(page):
+    with open(os.path.join(ROOT, page)) as f:
+        return f.read()
+
+
+def _commands(page):
+    """Shell commands shown in the page: lines of sh blocks, and inline code spans that
+    run a make target or a script, that start with make, torchrun, python or sudo
+    (comments after # dropped)."""
+    text = _text(page)
+    candidates = []
+    for block in re.findall(r"```sh\n(.*?)```", text, re.S):
+        candidates += block.splitlines()
+    candidates += [span for span in re.findall(r"`([^`\n]+)`", text)
+                   if span.startswith("make ") or re.search(r"\S+/\S+\.(py|sh)\b", span)]
+    found = []
+    for line in candidates:
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        words = line.split()
+        while words and re.match(r"^[A-Z_]+=", words[0]):  # NPROC=4 make bench
+            words = words[1:]
+        if words and words[0] in ("make", "torchrun", "python", "sudo"):
+            found.append(words)
+    return found
+
+
+def _script(words):
+    """(script path, its arguments) for a command that runs a file of this repo."""
+    for i, w in enumerate(words):
+        if w.endswith((".py", ".sh")) and "/" in w:
+            return w, words[i + 1:]
+    return None, []
+
+
+ALL = [(page, words) for page in PAGES for words in _commands(page)]
+
+
+def test_pages_show_commands():
+    assert len(ALL) >= 20, f"found only {len(ALL)} commands: the extraction is broken"
+    assert ["make", "bench"] in [w for _, w in ALL] and ["make", "test"] in [w for _, w in ALL]
+
+
+@pytest.mark.parametrize("page,words", ALL, ids=[f"{p}:{' '.join(w)}" for p, w in ALL])
+def test_command_exists(page, words):
+    if words[0] == "make":
+        with open(os.path.join(ROOT, "Makefile")) as f:
+            targets = set(re.findall(r"^([\w-]+):", f.read(), re.M))
+        for target in words[1:]:
+            assert target in targets, f"{page}: `make {target}` is not a Makefile target"
+        return
+    script, args = _script(words)
+    if script is None:
+        assert words[:2] == ["torchrun", "--nproc_per_node=2"] and words[-1].endswith(".py"), \
+            f"{page}: {' '.join(words)} runs no script of this repo"
+        return
+    assert os.path.exists(os.path.join(ROOT, script)), f"{page}: {script} does not exist"
+    flags = [a.split("=")[0] for a in args if a.startswith("--")]
+    if not flags:
+        return
+    if script.endswith(".sh"):  # multinode.sh hands its flags to compare.py
+        script = "benchmarks/compare.py"
+    helptext = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+    assert helptext.returncode == 0, helptext.stderr
+    for flag in flags:
+        assert flag in helptext.stdout, f"{page}: {script} has no option {flag}"
+
+
+def test_paths_and_links_exist():
+    missing = []
+    for page in PAGES:
+        text, here = _text(page), os.path.dirname(os.path.join(ROOT, page))
+        for link in re.findall(r"\]\(([^)#\s]+)", text):
+            if "://" not in link and not os.path.exists(os.path.join(here, link)):
+                missing.append(f"{page}: link {link}")
+        for span in re.findall(r"`([^`\n]+)`", text):
+            for word in shlex.split(span, posix=False) if span.startswith(PATH_PREFIXES) else []:
+                path = word.rstrip(",.:;)")
+                if path.startswith(PATH_PREFIXES) and "*" not in path and "<" not in path \
+                        and not os.path.exists(os.path.join(ROOT, path)):
+                    missing.append(f"{page}: path {path}")
+    assert not missing, "\n".join(missing)
+
+
+def test_generated_results_are_current():
+    """docs/results.md and README's table match the committed result files (make docs)."""
+    out = subprocess.run([sys.executable, "benchmarks/report.py", "--check"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for page in ("README.md", "docs/results.md"):
+        assert "torch_ddp" in _text(page), f"{page} shows no results table"
