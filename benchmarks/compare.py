@@ -33,11 +33,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.configs import CONFIG_NAMES, build_configs
-from benchmarks.measure import (Progress, format_interval, format_table, init_distributed,
-                                median, pairwise_difference, pairwise_ratio,
-                                pairwise_ratio_interval, peak_rss_mb, provenance, slowest_rank,
-                                sync)
+from benchmarks.configs import CONFIG_NAMES, CONFIGS, build_configs
+from benchmarks.measure import (Progress, format_interval, format_table, median,
+                                pairwise_difference, pairwise_ratio, pairwise_ratio_interval,
+                                peak_rss_mb, provenance, run_distributed, slowest_rank, sync)
 from benchmarks.plots import plot_compare
 from benchmarks.workloads import WORKLOADS
 from minddp.timeline import hidden_share
@@ -58,7 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--workloads", default="transformer,mlp,convnet",
                    help=f"comma-separated, from {sorted(WORKLOADS)}")
     p.add_argument("--configs", default=",".join(CONFIG_NAMES),
-                   help="comma-separated rows to run (default: all)")
+                   help=f"comma-separated rows to run (default: {','.join(CONFIG_NAMES)}; "
+                        f"also: {','.join(n for n in CONFIGS if n not in CONFIG_NAMES)})")
     p.add_argument("--steps", type=int, default=12, help="measured steps per configuration")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default: workload's)")
@@ -148,7 +148,8 @@ def trace_figures(config, warmup):
 def summarise(config, steps, comm, samples, device):
     mine = steps[config.name]
     row = {"step_ms": median(mine), "samples_per_s": samples / median(mine) * 1e3,
-           "steps_ms": mine, "bytes_sent_mb": config.bytes_sent / 2**20}
+           "steps_ms": mine,
+           "bytes_sent_mb": None if config.bytes_sent is None else config.bytes_sent / 2**20}
     if "torch_ddp" in steps:
         row["ratio_to_torch_ddp"] = pairwise_ratio(mine, steps["torch_ddp"])
         row["ratio_to_torch_ddp_ci"] = pairwise_ratio_interval(mine, steps["torch_ddp"])
@@ -166,9 +167,9 @@ def run(args, rank, world_size, device):
     """Run the selected workloads in the current process group; rank 0 writes the
     results and returns the rows (the other ranks return them too, unwritten)."""
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIG_NAMES]
+    unknown = [n for n in names if n not in CONFIGS]
     if unknown:
-        raise SystemExit(f"unknown configurations {unknown}; choose from {CONFIG_NAMES}")
+        raise SystemExit(f"unknown configurations {unknown}; choose from {list(CONFIGS)}")
     workloads = args.workloads.split(",")
     for name in workloads:
         if name not in WORKLOADS:
@@ -200,10 +201,7 @@ def main(argv=None):
     if "--scaling" in argv:  # several worlds: scaling.py starts torchrun for each
         from benchmarks import scaling
         return scaling.main([a for a in argv if a != "--scaling"])
-    args = parse_args(argv)
-    rank, world_size, device = init_distributed(args.device)
-    run(args, rank, world_size, device)
-    dist.destroy_process_group()
+    run_distributed(run, parse_args(argv))
 
 
 if __name__ == "__main__":

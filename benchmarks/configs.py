@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp
@@ -28,7 +28,16 @@ CONFIGS = {
     "minddp_auto": ("minddp", "auto", None),
     "minddp_ring_fp16": ("minddp", "ring", "fp16"),
 }
-CONFIG_NAMES = list(CONFIGS)
+CONFIG_NAMES = list(CONFIGS)  # the default rows
+# Opt-in rows (--configs): low-rank compression, PowerSGD's rank 4 after 10 full steps on both
+# sides. torch's hook runs several asynchronous all-reduces per bucket while other buckets'
+# run too, which gloo can pair across buckets ("Received data size doesn't match").
+POWERSGD = minddp.PowerSGD(rank=4, warmup_steps=10)
+CONFIGS.update({
+    "torch_ddp_powersgd": ("torch", "powersgd"),
+    "minddp_ring_powersgd": ("minddp", "ring", POWERSGD),
+    "minddp_auto_powersgd": ("minddp", "auto", POWERSGD),
+})
 
 
 @dataclasses.dataclass
@@ -37,7 +46,7 @@ class Config:
     model: Optional[torch.nn.Module] = None
     optimizer: Optional[torch.optim.Optimizer] = None
     communicate: Optional[Callable[[], None]] = None  # the step's bucket reductions alone
-    bytes_sent: float = 0.0                            # per rank per step (estimate)
+    bytes_sent: Optional[float] = 0.0                  # per rank per step (estimate)
     absent: Optional[str] = None                       # why this build cannot run it
 
 
@@ -84,10 +93,26 @@ def _minddp_communicate(ddp):
     return communicate
 
 
-def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False):
+def _sgd(params):
+    return torch.optim.SGD(params, lr=1e-3)
+
+
+def _powersgd_bytes(ddp, world_size):
+    """Per rank per step once compression runs: P, Q and the uncompressed rest of each bucket."""
+    sizes = []
+    for bucket in ddp.reducer.buckets:
+        s = ddp.reducer.reduction.states[bucket.index]
+        numbers = s.p.numel() + s.q.numel() + s.rest.numel() if s.matrices else \
+            bucket.buffer.numel()
+        sizes.append(numbers * bucket.buffer.element_size())
+    return bytes_sent_per_rank(sizes, world_size)
+
+
+def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False, optimizer=None):
     """One Config per name, each with its own copy of the workload's model (seed 0).
     With `timeline` (a path prefix) every minddp row records a Chrome trace;
-    `as_view` is gradient_as_bucket_view for torch's rows and minddp's alike."""
+    `as_view` is gradient_as_bucket_view for torch's rows and minddp's alike;
+    `optimizer(params)` makes each row's optimizer (default: SGD, lr 1e-3)."""
     torch.manual_seed(0)
     base = workload.build().to(device)
     sizes = _bucket_bytes(base, cap_mb)
@@ -103,10 +128,17 @@ def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False)
         elif kind == "torch":
             config.model = TorchDDP(model, device_ids=device_ids, bucket_cap_mb=cap_mb,
                                     gradient_as_bucket_view=as_view)
-            if how[0] is not None:
-                config.model.register_comm_hook(None, how[0])
-            config.communicate = _torch_communicate(sizes, device, how[0])
-            config.bytes_sent = bytes_sent_per_rank(sizes, world, 0.5 if how[0] else 1.0)
+            if how[0] == "powersgd":
+                state = powerSGD_hook.PowerSGDState(
+                    process_group=None, matrix_approximation_rank=POWERSGD.rank,
+                    start_powerSGD_iter=POWERSGD.warmup_steps, random_seed=POWERSGD.seed)
+                config.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+                config.bytes_sent = None  # depends on torch's own choices per matrix
+            else:
+                if how[0] is not None:
+                    config.model.register_comm_hook(None, how[0])
+                config.communicate = _torch_communicate(sizes, device, how[0])
+                config.bytes_sent = bytes_sent_per_rank(sizes, world, 0.5 if how[0] else 1.0)
         else:
             algorithm, compression = how
             try:
@@ -119,8 +151,13 @@ def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False)
                 config.absent = f"{algorithm}/{compression or 'fp32'}: not implemented"
                 configs.append(config)
                 continue
-            config.communicate = _minddp_communicate(config.model)
-            config.bytes_sent = bytes_sent_per_rank(sizes, world, 0.5 if compression else 1.0)
-        config.optimizer = torch.optim.SGD(config.model.parameters(), lr=1e-3)
+            if isinstance(compression, minddp.PowerSGD):
+                # Reducing outside a step would move PowerSGD's state (error, Q): no comm ms.
+                config.bytes_sent = _powersgd_bytes(config.model, world)
+            else:
+                config.communicate = _minddp_communicate(config.model)
+                config.bytes_sent = bytes_sent_per_rank(sizes, world,
+                                                        0.5 if compression else 1.0)
+        config.optimizer = (optimizer or _sgd)(config.model.parameters())
         configs.append(config)
     return configs

@@ -45,6 +45,16 @@ def init_distributed(device="cpu"):
     return dist.get_rank(), dist.get_world_size(), dev
 
 
+def run_distributed(run, args):
+    """A benchmark's main under torchrun: join the world on args.device, call
+    run(args, rank, world_size, device) on every rank, leave the world."""
+    rank, world_size, device = init_distributed(args.device)
+    try:
+        return run(args, rank, world_size, device)
+    finally:
+        dist.destroy_process_group()
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -185,7 +195,10 @@ def provenance():
     script = os.path.relpath(os.path.abspath(sys.argv[0]), _REPO)
     launcher = (f"torchrun --nproc_per_node={os.environ['LOCAL_WORLD_SIZE']}"
                 if "LOCAL_WORLD_SIZE" in os.environ else "python")
-    return {"command": " ".join([launcher, script, *sys.argv[1:]]), "commit": _commit(),
+    # MINDDP_BENCH_COMMAND: set by multinode.sh, whose own command line is the one to rerun.
+    command = os.environ.get("MINDDP_BENCH_COMMAND") or " ".join([launcher, script,
+                                                                   *sys.argv[1:]])
+    return {"command": command, "commit": _commit(),
             "machine": _machine(), "torch": torch.__version__,
             "date": datetime.date.today().isoformat()}
 

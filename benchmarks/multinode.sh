@@ -3,6 +3,7 @@
 #
 #   sudo benchmarks/multinode.sh [NODES=2] [RATE=1gbit] [compare.py arguments...]
 #   sudo benchmarks/multinode.sh 2 1gbit --workloads mlp --configs torch_ddp,minddp_ring
+#   sudo SCRIPT=benchmarks/time_to_loss.py benchmarks/multinode.sh 2 1gbit --steps 200
 #
 # Loopback makes communication nearly free, which hides what all-reduce
 # algorithms and compression are for. This script builds NODES network
@@ -10,7 +11,8 @@
 # limits every node's outgoing link to RATE with a token-bucket filter (tc tbf;
 # netem is not available everywhere). It then starts one torchrun per node
 # (--nnodes=NODES --nproc_per_node=1), rendezvousing on node 0's address, and
-# runs benchmarks/compare.py across them; results go to results/multinode-N/.
+# runs benchmarks/compare.py (or $SCRIPT) across them; results go to results/multinode-N/
+# (or $OUT).
 # Needs root and iproute2; the namespaces, links and bridge are removed on exit,
 # whether the run succeeds or fails.
 set -euo pipefail
@@ -21,11 +23,12 @@ shift $(( $# > 2 ? 2 : $# )) || true
 ARGS=("$@")
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+SCRIPT=${SCRIPT:-benchmarks/compare.py}
 PREFIX=mddp
 BRIDGE=${PREFIX}br0
 SUBNET=10.77.0
 PORT=${PORT:-29577}
-OUT=results/multinode-${NODES}
+OUT=${OUT:-results/multinode-${NODES}}
 
 fail() { echo "multinode.sh: $*" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || fail "needs root (network namespaces and tc); run it with sudo"
@@ -60,13 +63,18 @@ done
 echo "multinode.sh: $NODES nodes on $SUBNET.0/24, each link limited to $RATE (tc tbf)"
 
 mkdir -p "$OUT"
+COMMAND="benchmarks/multinode.sh $NODES $RATE ${ARGS[*]}"  # recorded in the result file
+[ "$SCRIPT" = benchmarks/compare.py ] || COMMAND="SCRIPT=$SCRIPT $COMMAND"
+[ "$OUT" = "results/multinode-${NODES}" ] || COMMAND="OUT=$OUT $COMMAND"
+COMMAND="sudo $COMMAND"
 THREADS=$(( $(nproc) / NODES > 0 ? $(nproc) / NODES : 1 ))  # the nodes share this CPU
 pids=()
 for i in $(seq 0 $((NODES - 1))); do
     ip netns exec "${PREFIX}n$i" env GLOO_SOCKET_IFNAME=eth0 MINDDP_BENCH_THREADS=$THREADS \
+        MINDDP_BENCH_COMMAND="$COMMAND" \
         "$PY" -m torch.distributed.run --nnodes="$NODES" --nproc_per_node=1 --node_rank="$i" \
         --master_addr="$SUBNET.1" --master_port="$PORT" \
-        benchmarks/compare.py --out "$OUT" "${ARGS[@]}" > "$OUT/node$i.log" 2>&1 &
+        "$SCRIPT" --out "$OUT" "${ARGS[@]}" > "$OUT/node$i.log" 2>&1 &
     pids+=($!)
 done
 status=0

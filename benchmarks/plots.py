@@ -107,3 +107,23 @@ def plot_timeline(events, path):
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_loss_against_time(rows, path):
+    """Validation loss against training wall time, one line per configuration, with the
+    target loss dashed (time_to_loss.py)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in rows:
+        curve = row["curve"]
+        ax.plot([seconds for _, seconds, _ in curve], [loss for _, _, loss in curve],
+                marker=".", label=row["name"])
+    if rows:
+        ax.axhline(rows[0]["target"], linestyle="--", color="black", linewidth=1,
+                   label="target")
+    ax.set_xlabel("training wall time (s, validation excluded)")
+    ax.set_ylabel("validation loss (nats per byte)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

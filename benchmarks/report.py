@@ -4,7 +4,8 @@ files the benchmarks wrote.
     python benchmarks/report.py                 # = make docs
     python benchmarks/report.py --check         # fail if either page is out of date
 
-Reads, from --results (default docs/results): compare.json (compare.py),
+Reads, from --results (default docs/results): compare.json (compare.py) and
+<setting>/compare.json (the same elsewhere, e.g. multinode.sh over slow links),
 trace.transformer.minddp_auto.rank0.json (compare.py --timeline: that row's trace),
 collectives_p*.json (collectives.py) and kernels.json (kernels.py --json);
 a file that is absent leaves its section out. Every file carries the command
@@ -49,7 +50,10 @@ def _num(value, fmt):
 def compare_section(path, img):
     data = _load(path)
     meta, rows = data["meta"], data["rows"]
-    plot_compare(rows, os.path.join(img, "compare.png"))
+    folder = os.path.basename(os.path.dirname(path))
+    nested = folder != "results"  # docs/results/<setting>/compare.json: another setting
+    picture = f"compare-{folder}.png" if nested else "compare.png"
+    plot_compare(rows, os.path.join(img, picture))
     body = [_table(
         ["workload", "config", "step ms", "vs torch_ddp", "95% interval", "exposed comm ms",
          "hidden", "MB sent / step"],
@@ -58,12 +62,13 @@ def compare_section(path, img):
           format_interval(r.get("ratio_to_torch_ddp_ci"), digits=3) or "-",
           _num(r.get("exposed_comm_ms"), "{:.1f}"), _num(r.get("hidden_share"), "{:.0%}"),
           _num(r.get("bytes_sent_mb"), "{:.1f}")] for r in rows])]
-    return (["## compare.py: minddp next to torch DDP", "", _made_by(meta),
+    title = "## compare.py: minddp next to torch DDP" + (f" ({folder})" if nested else "")
+    return ([title, "", _made_by(meta),
              f"{meta['world_size']} ranks, {meta['backend']} on {meta['device']}, "
              f"{meta['warmup']} warm-up + {meta['steps']} measured steps per configuration, "
              "interleaved. A ratio under 1 is faster than torch DDP; an interval that holds 1 "
              "means this run could not tell the two apart.", "", *body, "",
-             "![step time per configuration](img/compare.png)", ""])
+             f"![step time per configuration](img/{picture})", ""])
 
 
 def readme_table(path):
@@ -167,6 +172,8 @@ def render(results, img):
              "[benchmarks.md](benchmarks.md) explains the columns.", ""]
     if os.path.exists(os.path.join(results, "compare.json")):
         lines += compare_section(os.path.join(results, "compare.json"), img)
+    for path in sorted(glob.glob(os.path.join(results, "*", "compare.json"))):
+        lines += compare_section(path, img)
     if os.path.exists(os.path.join(results, TRACE)):
         lines += timeline_section(os.path.join(results, TRACE), img)
     for path in sorted(glob.glob(os.path.join(results, "collectives_p*.json"))):

@@ -5,6 +5,8 @@
 - `MLP`: 8 x Linear(1024), little compute per byte of gradient, so it is the
   communication-heavy case.
 - `ConvNet`: a small CNN with BatchNorm (buffers to broadcast).
+- `charlm` (charlm.py): next-byte prediction on the standard library's sources,
+  a loss that means something (time_to_loss.py).
 
 `WORKLOADS[name]` gives a `Workload`: how to build the model, a batch for a
 (rank, step) pair, and the loss. Batches are made from a seeded generator so
@@ -16,6 +18,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from benchmarks import charlm
 
 
 class SimpleTransformer(nn.Module):
@@ -131,4 +135,5 @@ WORKLOADS = {
     "transformer": Workload("transformer", SimpleTransformer, _text_batch, lm_loss, 8),
     "mlp": Workload("mlp", MLP, _mlp_batch, F.mse_loss, 32),
     "convnet": Workload("convnet", ConvNet, _image_batch, F.cross_entropy, 32),
+    "charlm": Workload("charlm", charlm.CharLM, charlm.batch, charlm.loss, 16),
 }

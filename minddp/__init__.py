@@ -6,6 +6,7 @@
 from minddp import algorithms
 from minddp import compression as _compression
 from minddp.ddp import DistributedDataParallel
+from minddp.powersgd import PowerSGD
 
 DDP = DistributedDataParallel
 
@@ -22,4 +23,4 @@ def all_reduce(tensor, algorithm="ring", group=None, compression=None):
         return algorithms.all_reduce(tensor, algorithm, group)
     return _compression.all_reduce(tensor, algorithm, group, compression)
 
-__all__ = ["DDP", "DistributedDataParallel", "all_reduce"]
+__all__ = ["DDP", "DistributedDataParallel", "PowerSGD", "all_reduce"]

@@ -28,10 +28,11 @@ from minddp.health import PeerProgress
 from minddp.join import Join
 from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_model
 from minddp.reducer import Phase, Reducer
+from minddp.powersgd import PowerSGD, PowerSGDReduction
 from minddp.reduction import AlgorithmReduction, HookReduction
 from minddp.timeline import from_environment
 
-COMPRESSIONS = (None, "fp16", "bf16")
+COMPRESSIONS = (None, "fp16", "bf16", "powersgd")  # or a PowerSGD(...)
 # From torch 2.13 on, forward_sync_buffers replaces broadcast_buffers; older
 # torch has only the old name, and minddp's warnings follow the torch it runs on.
 _TORCH_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(
@@ -47,7 +48,9 @@ class DistributedDataParallel(nn.Module):
     torch's DDP (README lists the few minddp does not implement). minddp's
     own, keyword-only: `algorithm` picks the all-reduce ("native" is the
     backend's own, "auto" times the others at construction and picks per
-    bucket size), `compression` sends gradients as fp16/bf16, `timeout`
+    bucket size), `compression` sends gradients as fp16/bf16 ("fp16",
+    "bf16") or as rank-r factors with error feedback ("powersgd", or
+    minddp.PowerSGD(rank=..., warmup_steps=...) to choose), `timeout`
     bounds every wait for a peer (default: the process group's), `timeline`
     is a path prefix for a Chrome trace of this rank's buckets (default:
     $MINDDP_TIMELINE).
@@ -101,6 +104,8 @@ class DistributedDataParallel(nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = False
         self.algorithm, self.compression = algorithm, compression
+        if compression == "powersgd":
+            self.compression = PowerSGD()
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)
@@ -110,7 +115,8 @@ class DistributedDataParallel(nn.Module):
         self.world_size = dist.get_world_size(group)
         self.timeline = from_environment(rank, timeline)
         settings = {"bucket_cap_mb": bucket_cap_mb, "algorithm": algorithm,
-                    "compression": compression, "find_unused_parameters": find_unused_parameters,
+                    "compression": repr(self.compression),
+                    "find_unused_parameters": find_unused_parameters,
                     "gradient_as_bucket_view": gradient_as_bucket_view,
                     "static_graph": static_graph, "forward_sync_buffers": self.forward_sync_buffers}
         self._ranks = "-".join(map(str, dist.get_process_group_ranks(self.process_group)))
@@ -155,10 +161,17 @@ class DistributedDataParallel(nn.Module):
         rank = dist.get_rank(self.process_group)
         limits = self.bucket_bytes_cap_list or bucketing.caps(self.bucket_bytes_cap)
         buckets = bucketing.build([p for _, p in named], limits, stamp=self.world_size > 1)
-        codec = None if self.compression is None else compressing.codec_for(self.compression)
-        job = algorithms.planner(self.algorithm, group, codec)
-        reduction = AlgorithmReduction(self.engine, job, f"algorithm {self.algorithm!r}",
-                                       self.timeline, exact=codec is None)
+        name = f"algorithm {self.algorithm!r}"
+        if isinstance(self.compression, PowerSGD):
+            job = algorithms.planner(self.algorithm, group)
+            reduction = PowerSGDReduction(self.engine, job, self.compression, self.world_size,
+                                          name, self.timeline)
+        else:
+            codec = (None if self.compression is None
+                     else compressing.codec_for(self.compression))
+            job = algorithms.planner(self.algorithm, group, codec)
+            reduction = AlgorithmReduction(self.engine, job, name, self.timeline,
+                                           exact=codec is None)
         device = self.engine.device
         count_used = functools.partial(_sum_on_engine, self.engine, device, "used-map")
         sum_step = functools.partial(_sum_now, self.engine.side_group, device)
@@ -424,9 +437,9 @@ def _check_arguments(named, rank, device_ids, bucket_cap_mb, bucket_cap_mb_list,
     if algorithm not in algorithms.CHOICES:
         raise ValueError(f"{where}: unknown algorithm {algorithm!r}; choose one of "
                          f"{list(algorithms.CHOICES)}.")
-    if compression not in COMPRESSIONS:
+    if compression not in COMPRESSIONS and not isinstance(compression, PowerSGD):
         raise ValueError(f"{where}: unknown compression {compression!r}; choose one of "
-                         f"{list(COMPRESSIONS)}.")
+                         f"{list(COMPRESSIONS)} or minddp.PowerSGD(rank=..., warmup_steps=...).")
 
 
 def _check_comm_hook(hook):

@@ -40,6 +40,32 @@ def test_compare_writes_every_row(tmp_path):
     assert {"no_comm", "torch_ddp", "torch_ddp_fp16", "minddp_native"} <= present
 
 
+def _time_to_loss(rank, world_size, out):
+    import torch
+    from benchmarks import time_to_loss
+    args = time_to_loss.parse_args(["--steps", "3", "--eval-every", "1", "--batch-size", "2",
+                                    "--configs", "torch_ddp,minddp_ring_powersgd",
+                                    "--out", out])
+    return time_to_loss.run(args, rank, world_size, torch.device("cpu"))
+
+
+def test_time_to_loss_writes_curves_and_ratios(tmp_path):
+    rows = run_world(_time_to_loss, 2, str(tmp_path), timeout=240)[0]
+    with open(tmp_path / "time_to_loss.json") as f:
+        data = json.load(f)
+    assert (tmp_path / "time_to_loss.png").stat().st_size > 0
+    assert [r["name"] for r in data["rows"]] == ["torch_ddp", "minddp_ring_powersgd"]
+    assert {"command", "commit", "machine", "torch", "target"} <= set(data["meta"])
+    torch_row, minddp_row = rows
+    assert [step for step, _, _ in torch_row["curve"]] == [1, 2, 3]
+    # the default target is torch's final loss, which torch reaches at its last evaluation
+    assert torch_row["target"] == torch_row["final_loss"]
+    assert torch_row["time_vs_torch"] == 1.0 and torch_row["loss_vs_torch"] == 1.0
+    # 3 steps are inside PowerSGD's full-precision warm-up: the same losses as torch DDP
+    assert abs(minddp_row["final_loss"] - torch_row["final_loss"]) < 1e-4
+    assert 0 < minddp_row["bytes_sent_mb"] < torch_row["bytes_sent_mb"] / 10
+
+
 def _collectives(rank, world_size, out):
     import torch
     from benchmarks import collectives

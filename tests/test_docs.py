@@ -45,7 +45,7 @@ def _commands(page):
 def _script(words):
     """(script path, its arguments) for a command that runs a file of this repo."""
     for i, w in enumerate(words):
-        if w.endswith((".py", ".sh")) and "/" in w:
+        if w.endswith((".py", ".sh")) and "/" in w and "=" not in w:
             return w, words[i + 1:]
     return None, []
 

@@ -18,6 +18,7 @@ this is the one place where names become code.
 """
 import functools
 
+import torch
 import torch.distributed as dist
 
 from minddp.algorithms import auto, native
@@ -77,6 +78,19 @@ def planner(algorithm, group, codec=None):
 
     job.setup = lambda buffers: chooser().tune(buffers)
     return job
+
+
+def sum_now(job, tensor):
+    """Run a planner job on `tensor` and wait: for reductions that need a sum's result before
+    their next step (PowerSGD), on the communication thread. Sums in place; returns `tensor`."""
+    result = job(tensor)
+    if isinstance(result, torch._C.Future):  # the base of torch.futures.Future
+        result = result.wait()
+    if isinstance(result, (list, tuple)):
+        result = result[0]
+    if result is not tensor:
+        tensor.copy_(result)
+    return tensor
 
 
 def all_reduce(tensor, algorithm="ring", group=None):

@@ -1,0 +1,169 @@
+"""Time to a target loss: torch DDP and minddp configurations training a real task.
+
+    torchrun --nproc_per_node=2 benchmarks/time_to_loss.py                     # a few minutes
+    torchrun --nproc_per_node=2 benchmarks/time_to_loss.py --steps 400 --target 1.6
+    sudo SCRIPT=benchmarks/time_to_loss.py benchmarks/multinode.sh 2 1gbit --steps 200
+
+Every configuration trains its own copy of the same CharLM (charlm.py: next-byte prediction
+on the standard library's sources) on the same batches with AdamW. They run interleaved, one
+step of each in rotating order, so a slow moment of the machine hits all of them; a
+configuration's wall time is the sum of its own steps (the slowest rank's time of each),
+validation excluded. Every --eval-every steps each model is scored on the same held-out
+windows.
+
+Reported per configuration: validation loss after the last step and its ratio to torch DDP's,
+wall time until validation loss first reached the target and its ratio to torch DDP's, median
+step time and bytes each rank sends per step. The target defaults to torch_ddp's final
+validation loss (torch reaches it at its last step; who gets there sooner?). Writes
+results/time_to_loss.json and results/time_to_loss.png (loss against wall time).
+"""
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import charlm
+from benchmarks.configs import CONFIGS, build_configs
+from benchmarks.measure import (Progress, format_table, median, provenance, run_distributed,
+                                slowest_rank, sync)
+from benchmarks.plots import plot_loss_against_time
+from benchmarks.workloads import WORKLOADS
+
+DEFAULT_CONFIGS = ("torch_ddp,torch_ddp_fp16,minddp_auto,minddp_ring_fp16,"
+                   "minddp_auto_powersgd")
+COLUMNS = [("name", "config", "{}"), ("final_loss", "final loss", "{:.4f}"),
+           ("loss_vs_torch", "loss / torch", "{:.4f}"),
+           ("time_to_target_s", "to target s", "{:.1f}"),
+           ("time_vs_torch", "time / torch", "{:.3f}"), ("step_ms", "step ms", "{:.1f}"),
+           ("bytes_sent_mb", "sent MB/step", "{:.2f}")]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help=f"comma-separated, from {list(CONFIGS)} (no_comm has no gradient sync)")
+    p.add_argument("--steps", type=int, default=120, help="training steps per configuration")
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--target", type=float, default=None,
+                   help="validation loss to reach (default: torch_ddp's final one)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW, linear warm-up of 20 steps")
+    p.add_argument("--batch-size", type=int, default=16, help="per rank")
+    p.add_argument("--bucket-cap-mb", type=float, default=25)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--out", default="results")
+    return p.parse_args(argv)
+
+
+def _adamw(lr):
+    def make(params):
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+        optimizer.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / 20))
+        return optimizer
+    return make
+
+
+@torch.no_grad()
+def _evaluate(model, held_out, device):
+    model.eval()
+    losses = [charlm.loss(model(*(t.to(device) for t in inputs)), labels.to(device)).item()
+              for inputs, labels in held_out]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def _time_to(curve, target):
+    """Wall seconds at the first evaluation at or under `target`, or None."""
+    return next((seconds for _, seconds, loss in curve if loss <= target), None)
+
+
+def run(args, rank, world_size, device):
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configurations {unknown}; choose from {list(CONFIGS)}")
+    workload = WORKLOADS["charlm"]
+    _, where = charlm.stdlib_text()
+    if rank == 0:
+        print(f"time_to_loss.py: {world_size} ranks, {device}, {dist.get_backend()}; CharLM on "
+              f"{where}; {args.steps} steps of {args.batch_size} x 128 bytes per rank, "
+              f"interleaved; torch {torch.__version__}", flush=True)
+    configs = [c for c in build_configs(workload, names, device, args.bucket_cap_mb,
+                                        optimizer=_adamw(args.lr)) if c.absent is None]
+    held_out = charlm.validation()
+    times = {c.name: [] for c in configs}
+    curves = {c.name: [] for c in configs}  # (step, wall seconds so far, validation loss)
+    bar = Progress(args.steps * len(configs), "charlm", rank == 0)
+    for step in range(args.steps):
+        inputs, target = workload.batch(rank, step, args.batch_size)
+        inputs, target = tuple(t.to(device) for t in inputs), target.to(device)
+        for config in configs[step % len(configs):] + configs[:step % len(configs)]:
+            sync(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            config.optimizer.zero_grad(set_to_none=True)
+            workload.loss(config.model(*inputs), target).backward()
+            config.optimizer.step()
+            config.optimizer.scheduler.step()
+            sync(device)
+            times[config.name].append(time.perf_counter() - t0)
+            bar.step(config.name)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            for config in configs:
+                elapsed = sum(slowest_rank(times[config.name]))
+                module = getattr(config.model, "module", config.model)
+                curves[config.name].append((step + 1, elapsed,
+                                            _evaluate(module, held_out, device)))
+    times = {name: slowest_rank(t) for name, t in times.items()}
+    if rank != 0:
+        return None
+    rows = summarise(configs, times, curves, args.target, world_size)
+    print(format_table(rows, COLUMNS))
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(provenance(), world_size=world_size, device=str(device),
+                backend=dist.get_backend(), steps=args.steps, text=where,
+                target=rows[0]["target"] if rows else None)
+    with open(os.path.join(args.out, "time_to_loss.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    png = plot_loss_against_time(rows, os.path.join(args.out, "time_to_loss.png"))
+    print(f"target loss {meta['target']:.4f}; wrote {args.out}/time_to_loss.json and {png}")
+    return rows
+
+
+def summarise(configs, times, curves, target, world_size):
+    baseline = curves.get("torch_ddp")
+    if target is None:
+        if not baseline:
+            raise SystemExit("--target is needed when torch_ddp is not among --configs")
+        target = baseline[-1][2]
+    torch_time = _time_to(baseline, target) if baseline else None
+    rows = []
+    for config in configs:
+        curve = curves[config.name]
+        reached = _time_to(curve, target)
+        final = curve[-1][2]
+        row = {"name": config.name, "target": target, "curve": curve, "final_loss": final,
+               "time_to_target_s": reached, "step_ms": median(times[config.name]) * 1e3,
+               "wall_s": sum(times[config.name]),
+               "bytes_sent_mb": (None if config.bytes_sent is None
+                                 else config.bytes_sent / 2**20), "world_size": world_size}
+        if baseline:
+            row["loss_vs_torch"] = final / baseline[-1][2]
+            if reached is not None and torch_time:
+                row["time_vs_torch"] = reached / torch_time
+        if not math.isfinite(final):
+            row["note"] = "diverged"
+        rows.append(row)
+    return rows
+
+
+def main(argv=None):
+    run_distributed(run, parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

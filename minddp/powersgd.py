@@ -1,0 +1,164 @@
+"""compression="powersgd": rank-r gradient compression with error feedback (Vogels et al. 2019).
+
+Each gradient of two or more dimensions is seen as a matrix M (first dimension x the rest);
+with Q (m x r) kept from the previous step (warm start), every step is
+
+    M = gradient + error      error feedback: what earlier approximations left out
+    P = M Q                   n x r, summed over the ranks, then its columns orthonormalised
+    Q = M^T P                 m x r, summed over the ranks
+    result = P Q^T            the rank-r approximation of the sum of the ranks' M
+    error = M - result / p    each rank keeps its share of what the approximation missed
+
+so a matrix sends r (n + m) numbers instead of n m, and both sums are plain all-reduces: they
+run on any of minddp's algorithms (`algorithm=` picks it), which is why PowerSGD pays off where
+other compressors do not. Vectors (biases, norms), matrices too small to gain, and buckets that
+are not float32/float64 are summed uncompressed, in one all-reduce per bucket. The first
+`warmup_steps` steps sum every bucket in full precision, as the paper's warm-up does.
+
+Every rank ends with bitwise-identical gradients: the two sums are identical on every rank
+(every algorithm guarantees that), orthonormalisation is deterministic, and Q starts from the
+same seeded random matrix on every rank. The error buffers differ between ranks by design.
+"""
+import dataclasses
+
+import torch
+
+from minddp.algorithms import sum_now
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerSGD:
+    """Settings for `compression=PowerSGD(...)`; `compression="powersgd"` is PowerSGD().
+
+    rank: columns of P and Q (the paper's r; higher is closer to the exact mean, sends more).
+    warmup_steps: steps summed in full precision before compression starts.
+    seed: for the initial Q, the same on every rank.
+    """
+    rank: int = 4
+    warmup_steps: int = 10
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"PowerSGD rank must be a positive integer, got {self.rank!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"PowerSGD warmup_steps must be >= 0, got {self.warmup_steps!r}")
+
+
+def worth_compressing(shape, rank):
+    """True when a rank-r factorisation of a gradient of `shape` sends fewer numbers."""
+    if len(shape) < 2:
+        return False
+    n = shape[0]
+    m = 1
+    for d in shape[1:]:
+        m *= d
+    return rank * (n + m) < n * m
+
+
+def orthonormalise_(p, eps=1e-8):
+    """Gram-Schmidt on the columns of p (n x r), in place; deterministic, so every rank
+    that holds the same p gets the same result."""
+    for i in range(p.shape[1]):
+        col = p[:, i]
+        col.div_(col.norm() + eps)
+        if i + 1 < p.shape[1]:
+            rest = p[:, i + 1:]
+            rest.sub_(torch.outer(col, col @ rest))
+    return p
+
+
+class BucketState:
+    """Where one bucket's matrices sit and what PowerSGD keeps for it between steps."""
+
+    def __init__(self, bucket, settings, generator):
+        r = settings.rank
+        compress = bucket.buffer.dtype in (torch.float32, torch.float64)
+        self.matrices, self.plain = [], []  # (offset, n, m) / (offset, numel)
+        for p, offset in zip(bucket.params, bucket.offsets):
+            if compress and worth_compressing(p.shape, r):
+                self.matrices.append((offset, p.shape[0], p.numel() // p.shape[0]))
+            else:
+                self.plain.append((offset, p.numel()))
+        like = bucket.buffer
+        self.error = torch.zeros_like(like) if self.matrices else None
+        self.p = like.new_empty(sum(n * r for _, n, _ in self.matrices))
+        self.q = like.new_empty(sum(m * r for _, _, m in self.matrices))
+        self.rest = like.new_empty(sum(numel for _, numel in self.plain))
+        # Q starts random (a seeded CPU generator: the same on every rank), then warm-starts.
+        if self.matrices:
+            self.q.copy_(torch.randn(self.q.numel(), generator=generator, dtype=like.dtype))
+        self.steps = 0
+
+    def views(self, flat, sizes):
+        out, at = [], 0
+        for rows, cols in sizes:
+            out.append(flat[at:at + rows * cols].view(rows, cols))
+            at += rows * cols
+        return out
+
+
+class PowerSGDReduction:
+    """The seam's interface (reduction.py) for PowerSGD on a summing `job` (algorithms.planner)."""
+
+    prescaled = True       # buckets hold gradient / world size: sums are means
+    carries_stamp = False  # lossy: the step check runs on its own
+
+    def __init__(self, engine, job, settings, world_size, name, timeline=None):
+        self.engine, self.job, self.settings = engine, job, settings
+        self.world_size, self.timeline = world_size, timeline
+        self.name = f"{name} with PowerSGD (rank {settings.rank})"  # for error messages
+        self.states = {}
+
+    def setup(self, buckets):
+        generator = torch.Generator().manual_seed(self.settings.seed)
+        self.states = {b.index: BucketState(b, self.settings, generator) for b in buckets}
+        # auto decides per size: announce every size this reduction will sum.
+        buffers = [b.buffer for b in buckets]
+        for s in self.states.values():
+            buffers += [t for t in (s.p, s.q, s.rest) if t.numel()]
+        setup = getattr(self.job, "setup", None)
+        if setup is not None:
+            self.engine.run(setup, buffers, label="setup")
+
+    def launch(self, bucket):
+        buffer = bucket.buffer()
+        state = self.states[bucket.index()]
+        return self.engine.submit(self._reduce, buffer, state, label=f"comm b{bucket.index()}",
+                                  device=buffer.device, timeline=self.timeline)
+
+    def _reduce(self, buffer, state):
+        """On the communication thread: the bucket's averaged, compressed-and-restored
+        gradients, written into `buffer`."""
+        state.steps += 1
+        if state.steps <= self.settings.warmup_steps or not state.matrices:
+            return sum_now(self.job, buffer)
+        r = self.settings.rank
+        if state.plain:
+            at = 0
+            for offset, numel in state.plain:
+                state.rest[at:at + numel].copy_(buffer[offset:offset + numel])
+                at += numel
+        # M = gradient + error, built in the error buffer itself (one pass, no allocation)
+        ms = [state.error[o:o + n * m].view(n, m).add_(buffer[o:o + n * m].view(n, m))
+              for o, n, m in state.matrices]
+        ps = state.views(state.p, [(n, r) for _, n, _ in state.matrices])
+        qs = state.views(state.q, [(m, r) for _, _, m in state.matrices])
+        for M, P, Q in zip(ms, ps, qs):
+            torch.matmul(M, Q, out=P)
+        sum_now(self.job, state.p)
+        for M, P, Q in zip(ms, ps, qs):
+            orthonormalise_(P)
+            torch.matmul(M.t(), P, out=Q)
+        sum_now(self.job, state.q)
+        if state.plain:
+            sum_now(self.job, state.rest)
+        for (o, n, m), M, P, Q in zip(state.matrices, ms, ps, qs):
+            out = buffer[o:o + n * m].view(n, m)
+            torch.matmul(P, Q.t(), out=out)
+            M.sub_(out, alpha=1.0 / self.world_size)  # error = M - result / p, in place
+        at = 0
+        for offset, numel in state.plain:
+            buffer[offset:offset + numel].copy_(state.rest[at:at + numel])
+            at += numel
+        return buffer

@@ -1,0 +1,132 @@
+"""compression="powersgd": the wrapper's gradients against a plain reference of the same
+math, bitwise-equal ranks, error feedback, warm-up, and a dead peer mid-step."""
+import copy
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import minddp
+from dist_harness import run_world
+from minddp import powersgd
+
+
+def test_orthonormalise_and_worth_compressing():
+    p = torch.randn(20, 3, dtype=torch.float64)
+    span = p.clone()
+    powersgd.orthonormalise_(p)
+    torch.testing.assert_close(p.t() @ p, torch.eye(3, dtype=torch.float64))
+    # the same column space: projecting the original columns changes nothing
+    torch.testing.assert_close(p @ (p.t() @ span), span)
+    assert powersgd.worth_compressing((64, 32), 4) and not powersgd.worth_compressing((64,), 4)
+    assert not powersgd.worth_compressing((4, 4), 4)  # 4 * (4 + 4) > 16: no gain
+    with pytest.raises(ValueError, match="rank must be a positive integer"):
+        minddp.PowerSGD(rank=0)
+
+
+def _reference_step(ms, q, world_size):
+    """One PowerSGD step in float64 on every rank's M (already gradient/p + error):
+    (result, new q, each rank's new error)."""
+    ms = [m.double() for m in ms]
+    p = sum(m @ q for m in ms)
+    powersgd.orthonormalise_(p)
+    q = sum(m.t() @ p for m in ms)
+    result = p @ q.t()
+    return result, q, [m - result / world_size for m in ms]
+
+
+def _train(rank, world_size, algorithm, steps, warmup):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 12))
+    local = copy.deepcopy(model)
+    settings = minddp.PowerSGD(rank=2, warmup_steps=warmup)
+    ddp = minddp.DDP(model, algorithm=algorithm, compression=settings)
+    reduction = ddp.reducer.reduction
+    (bucket,) = ddp.reducer.buckets  # one bucket: the layout below is its own
+    state = reduction.states[bucket.index]
+    assert len(state.matrices) == 2 and len(state.plain) == 2
+    qs = [q.double().clone() for q in state.views(state.q, [(m, 2) for _, _, m in state.matrices])]
+    errors = [torch.zeros(n, m, dtype=torch.float64) for _, n, m in state.matrices]
+    # error feedback loses nothing: the results of all steps plus what the ranks still hold
+    # back add up to the exact means of all steps
+    delivered = [torch.zeros(n, m, dtype=torch.float64) for _, n, m in state.matrices]
+    owed = [torch.zeros(n, m, dtype=torch.float64) for _, n, m in state.matrices]
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(8, 24, generator=g)
+        model.zero_grad(set_to_none=True)
+        local.zero_grad(set_to_none=True)
+        ddp(x).square().sum().backward()
+        local(x).square().sum().backward()
+        mine = {id(p): lp.grad for p, lp in zip(model.parameters(), local.parameters())}
+        for param, local_grad in zip(model.parameters(), local.parameters()):
+            # every rank holds the same gradient, bit for bit
+            gathered = [torch.empty_like(param.grad) for _ in range(world_size)]
+            dist.all_gather(gathered, param.grad)
+            assert all(torch.equal(gathered[0], t) for t in gathered), "ranks differ"
+        for i, ((offset, n, m), param) in enumerate(zip(
+                state.matrices, [p for p in bucket.params if p.dim() == 2])):
+            local_m = mine[id(param)].double().view(n, m) / world_size
+            every = [torch.empty_like(local_m) for _ in range(world_size)]
+            dist.all_gather(every, local_m)
+            owed[i] += sum(every)
+            delivered[i] += param.grad.double().view(n, m)
+            if step < warmup:  # full precision: the exact mean
+                torch.testing.assert_close(param.grad.double().view(n, m), sum(every))
+                continue
+            dist.all_gather(every, local_m + errors[i])
+            result, qs[i], new_errors = _reference_step(every, qs[i], world_size)
+            errors[i] = new_errors[rank]
+            got = param.grad.double().view(n, m)
+            torch.testing.assert_close(got, result, rtol=1e-4, atol=1e-5)
+            kept = state.error[offset:offset + n * m].double().view(n, m)
+            torch.testing.assert_close(kept, errors[i], rtol=1e-4, atol=1e-5)
+            assert not torch.allclose(got, sum(every), rtol=1e-3), "rank 2 was exact?"
+        for param in (p for p in bucket.params if p.dim() == 1):  # biases: exact means
+            exact = sum(_gather(mine[id(param)] / world_size))
+            torch.testing.assert_close(param.grad, exact, rtol=1e-6, atol=1e-7)
+    for i, (offset, n, m) in enumerate(state.matrices):
+        held_back = sum(_gather(state.error[offset:offset + n * m].double()))
+        torch.testing.assert_close(delivered[i] + held_back.view(n, m), owed[i],
+                                   rtol=1e-4, atol=1e-5)
+    return state.steps
+
+
+def _gather(t):
+    every = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, t.contiguous())
+    return every
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "native"])
+def test_matches_the_reference_and_ranks_agree(algorithm):
+    assert run_world(_train, 2, algorithm, 5, 2, timeout=120) == [5, 5]
+
+
+def test_three_ranks_auto():
+    assert run_world(_train, 3, "auto", 4, 1, timeout=180) == [4, 4, 4]
+
+
+def _dies(rank, world_size):
+    ddp = minddp.DDP(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)), timeout=5,
+                     algorithm="ring", compression=minddp.PowerSGD(rank=2, warmup_steps=1))
+    for step in range(3):
+        out = ddp(torch.randn(4, 64)).sum()
+        if rank == 1 and step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            out.backward()
+        except RuntimeError as e:
+            return time.monotonic() - t0, str(e)
+    return None, "no error"
+
+
+def test_dead_peer_during_a_compressed_step_raises():
+    elapsed, error = run_world(_dies, 2, timeout=60, expect_dead=(1,))[0]
+    assert elapsed is not None and elapsed < 10, error
+    assert "minddp (rank 0)" in error and "PowerSGD" in error, error
