@@ -33,7 +33,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.configs import CONFIG_NAMES, CONFIGS, build_configs
+import minddp
+from benchmarks.configs import CONFIG_NAMES, CONFIGS, POWERSGD, build_configs
 from benchmarks.measure import (Progress, format_interval, format_table, median,
                                 pairwise_difference, pairwise_ratio, pairwise_ratio_interval,
                                 peak_rss_mb, provenance, run_distributed, slowest_rank, sync)
@@ -170,6 +171,12 @@ def run(args, rank, world_size, device):
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown configurations {unknown}; choose from {list(CONFIGS)}")
+    lossy = [n for n in names if isinstance(CONFIGS[n][-1], minddp.PowerSGD)]
+    if lossy and args.warmup < POWERSGD.warmup_steps:
+        args.warmup = POWERSGD.warmup_steps  # measure PowerSGD compressing, not warming up
+        if rank == 0:
+            print(f"compare.py: --warmup raised to {args.warmup}: {', '.join(lossy)} run "
+                  f"full precision for their first {POWERSGD.warmup_steps} steps", flush=True)
     workloads = args.workloads.split(",")
     for name in workloads:
         if name not in WORKLOADS:

@@ -138,6 +138,7 @@ def main():
             torch.set_num_threads(threads)
         rows += report(table, measure(table, args.device, args.reps), label)
     if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"meta": provenance(), "mib": args.mib, "dtype": args.dtype, "where": where,
                        "rows": rows}, f, indent=1)

@@ -24,7 +24,6 @@ from benchmarks.plots import plot_collectives, plot_compare, plot_timeline
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACE = "trace.transformer.minddp_auto.rank0.json"  # the step the docs show
 README = os.path.join(REPO, "README.md")
-README_BEGIN, README_END = "<!-- results:begin", "<!-- results:end -->"
 
 
 def _load(path):
@@ -71,8 +70,8 @@ def compare_section(path, img):
              f"![step time per configuration](img/{picture})", ""])
 
 
-def readme_table(path):
-    """README.md's one results table: each workload's step time relative to torch DDP."""
+def readme_table(path, picture=None):
+    """A README table: each workload's step time relative to torch DDP."""
     data = _load(path)
     meta, rows = data["meta"], data["rows"]
     names = [n for n in dict.fromkeys(r["name"] for r in rows) if n not in ("torch_ddp",)]
@@ -90,16 +89,28 @@ def readme_table(path):
         f"({meta['backend']}), median of per-step ratios over {meta['steps']} interleaved steps "
         "with its 95% interval (under 1: faster; an interval that holds 1: not told apart). "
         + _made_by(meta), "",
-        _table(["workload", "torch_ddp ms", *names], table), "",
-        "![step time per configuration](docs/img/compare.png)"])
+        _table(["workload", "torch_ddp ms", *names], table)]
+        + (["", f"![step time per configuration]({picture})"] if picture else []))
 
 
-def with_readme_table(readme, table):
-    """README text with the block between the results markers replaced by `table`."""
-    begin = readme.index(README_BEGIN)
+def with_readme_block(readme, name, text):
+    """README text with the block between `name`'s markers replaced by `text`."""
+    begin = readme.index(f"<!-- {name}:begin")
     begin = readme.index("\n", begin) + 1
-    end = readme.index(README_END)
-    return readme[:begin] + table + "\n" + readme[end:]
+    end = readme.index(f"<!-- {name}:end -->")
+    return readme[:begin] + text + "\n" + readme[end:]
+
+
+def readme_blocks(readme, results):
+    """README with its generated blocks rewritten from the result files that exist."""
+    compare = os.path.join(results, "compare.json")
+    if os.path.exists(compare):
+        readme = with_readme_block(readme, "results",
+                                   readme_table(compare, "docs/img/compare.png"))
+    slow = sorted(glob.glob(os.path.join(results, "*", "compare.json")))
+    if slow:
+        readme = with_readme_block(readme, "slow-link", readme_table(slow[0]))
+    return readme
 
 
 def timeline_section(path, img):
@@ -172,10 +183,10 @@ def render(results, img):
              "[benchmarks.md](benchmarks.md) explains the columns.", ""]
     if os.path.exists(os.path.join(results, "compare.json")):
         lines += compare_section(os.path.join(results, "compare.json"), img)
-    for path in sorted(glob.glob(os.path.join(results, "*", "compare.json"))):
-        lines += compare_section(path, img)
     if os.path.exists(os.path.join(results, TRACE)):
         lines += timeline_section(os.path.join(results, TRACE), img)
+    for path in sorted(glob.glob(os.path.join(results, "*", "compare.json"))):
+        lines += compare_section(path, img)
     for path in sorted(glob.glob(os.path.join(results, "collectives_p*.json"))):
         lines += collectives_section(path, img)
     if os.path.exists(os.path.join(results, "kernels.json")):
@@ -194,9 +205,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     with open(args.readme) as f:
         readme = f.read()
-    compare = os.path.join(args.results, "compare.json")
-    new_readme = (with_readme_table(readme, readme_table(compare)) if os.path.exists(compare)
-                  else readme)
+    new_readme = readme_blocks(readme, args.results)
     if args.check:
         import tempfile
         with tempfile.TemporaryDirectory() as scratch:

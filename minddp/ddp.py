@@ -115,7 +115,7 @@ class DistributedDataParallel(nn.Module):
         self.world_size = dist.get_world_size(group)
         self.timeline = from_environment(rank, timeline)
         settings = {"bucket_cap_mb": bucket_cap_mb, "algorithm": algorithm,
-                    "compression": repr(self.compression),
+                    "compression": str(self.compression),
                     "find_unused_parameters": find_unused_parameters,
                     "gradient_as_bucket_view": gradient_as_bucket_view,
                     "static_graph": static_graph, "forward_sync_buffers": self.forward_sync_buffers}

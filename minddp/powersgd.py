@@ -15,6 +15,12 @@ other compressors do not. Vectors (biases, norms), matrices too small to gain, a
 are not float32/float64 are summed uncompressed, in one all-reduce per bucket. The first
 `warmup_steps` steps sum every bucket in full precision, as the paper's warm-up does.
 
+A step whose summed P is not finite (an inf or NaN gradient) is summed uncompressed so the
+optimizer (or GradScaler) sees it, and clears the error. A parameter no rank used in a step
+(find_unused_parameters) keeps its .grad, but the error feedback still counts the step's
+approximation as delivered. The state (error, Q, step count) lives in the wrapper and starts
+afresh in a pickled, deep-copied or loaded copy.
+
 Every rank ends with bitwise-identical gradients: the two sums are identical on every rank
 (every algorithm guarantees that), orthonormalisation is deterministic, and Q starts from the
 same seeded random matrix on every rank. The error buffers differ between ranks by design.
@@ -71,8 +77,10 @@ def orthonormalise_(p, eps=1e-8):
 class BucketState:
     """Where one bucket's matrices sit and what PowerSGD keeps for it between steps."""
 
-    def __init__(self, bucket, settings, generator):
+    def __init__(self, bucket, settings):
         r = settings.rank
+        # Seeded per bucket: every rank draws the same Qs, now and whenever one is redrawn.
+        self.generator = torch.Generator().manual_seed(settings.seed * 1000003 + bucket.index)
         compress = bucket.buffer.dtype in (torch.float32, torch.float64)
         self.matrices, self.plain = [], []  # (offset, n, m) / (offset, numel)
         for p, offset in zip(bucket.params, bucket.offsets):
@@ -85,10 +93,13 @@ class BucketState:
         self.p = like.new_empty(sum(n * r for _, n, _ in self.matrices))
         self.q = like.new_empty(sum(m * r for _, _, m in self.matrices))
         self.rest = like.new_empty(sum(numel for _, numel in self.plain))
-        # Q starts random (a seeded CPU generator: the same on every rank), then warm-starts.
+        # Q starts random, then warm-starts from the last step's.
         if self.matrices:
-            self.q.copy_(torch.randn(self.q.numel(), generator=generator, dtype=like.dtype))
+            self.q.copy_(self.random(self.q.numel()))
         self.steps = 0
+
+    def random(self, *shape):
+        return torch.randn(*shape, generator=self.generator, dtype=self.q.dtype)
 
     def views(self, flat, sizes):
         out, at = [], 0
@@ -111,8 +122,7 @@ class PowerSGDReduction:
         self.states = {}
 
     def setup(self, buckets):
-        generator = torch.Generator().manual_seed(self.settings.seed)
-        self.states = {b.index: BucketState(b, self.settings, generator) for b in buckets}
+        self.states = {b.index: BucketState(b, self.settings) for b in buckets}
         # auto decides per size: announce every size this reduction will sum.
         buffers = [b.buffer for b in buckets]
         for s in self.states.values():
@@ -147,6 +157,12 @@ class PowerSGDReduction:
         for M, P, Q in zip(ms, ps, qs):
             torch.matmul(M, Q, out=P)
         sum_now(self.job, state.p)
+        if not bool(torch.isfinite(state.p).all()):
+            # An inf or NaN (an fp16 overflow GradScaler will skip) must reach .grad as it
+            # is and must not live on in the error: this step goes uncompressed and the
+            # error starts afresh. P's sum is the same everywhere: every rank branches alike.
+            state.error.zero_()
+            return sum_now(self.job, buffer)
         for M, P, Q in zip(ms, ps, qs):
             orthonormalise_(P)
             torch.matmul(M.t(), P, out=Q)
@@ -157,6 +173,10 @@ class PowerSGDReduction:
             out = buffer[o:o + n * m].view(n, m)
             torch.matmul(P, Q.t(), out=out)
             M.sub_(out, alpha=1.0 / self.world_size)  # error = M - result / p, in place
+            if bool((Q.norm(dim=0) == 0).any()):
+                # M was zero on every rank (a parameter nobody used): Q = M^T P is zero and
+                # would keep every later P = M Q zero. Start it afresh, alike on every rank.
+                Q.copy_(state.random(*Q.shape))
         at = 0
         for offset, numel in state.plain:
             buffer[offset:offset + numel].copy_(state.rest[at:at + numel])

@@ -3,8 +3,9 @@
 The reducer hands each full bucket, in index order, to one `Reduction` and
 knows nothing else about how it travels. Every way of reducing a bucket is
 one: minddp's all-reduce algorithms (ring, tree, halving-doubling, the
-backend's, auto, with or without compression) through `AlgorithmReduction`,
-and a communication hook written for torch's DDP through `HookReduction`.
+backend's, auto, with or without fp16/bf16) through `AlgorithmReduction`,
+a communication hook written for torch's DDP through `HookReduction`, and
+PowerSGD through `powersgd.PowerSGDReduction`.
 
     reduction.prescaled        True: the reducer divides each gradient by the
                                world size while copying it into the bucket

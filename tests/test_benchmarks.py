@@ -57,9 +57,11 @@ def test_time_to_loss_writes_curves_and_ratios(tmp_path):
     assert [r["name"] for r in data["rows"]] == ["torch_ddp", "minddp_ring_powersgd"]
     assert {"command", "commit", "machine", "torch", "target"} <= set(data["meta"])
     torch_row, minddp_row = rows
-    assert [step for step, _, _ in torch_row["curve"]] == [1, 2, 3]
-    # the default target is torch's final loss, which torch reaches at its last evaluation
-    assert torch_row["target"] == torch_row["final_loss"]
+    assert [step for step, _, _ in torch_row["curve"]] == [0, 1, 2, 3]
+    # the default target is a loss every configuration reached: the highest of their bests
+    bests = [min(loss for _, _, loss in row["curve"]) for row in rows]
+    assert torch_row["target"] == max(bests)
+    assert all(row["time_to_target_s"] is not None for row in rows)
     assert torch_row["time_vs_torch"] == 1.0 and torch_row["loss_vs_torch"] == 1.0
     # 3 steps are inside PowerSGD's full-precision warm-up: the same losses as torch DDP
     assert abs(minddp_row["final_loss"] - torch_row["final_loss"]) < 1e-4

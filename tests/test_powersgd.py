@@ -111,6 +111,64 @@ def test_three_ranks_auto():
     assert run_world(_train, 3, "auto", 4, 1, timeout=180) == [4, 4, 4]
 
 
+class TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, use_b):
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+def _off_the_happy_path(rank, world_size):
+    """Branch b unused by every rank at the first compressed step, then used; an inf on
+    rank 0 at step 3; ordinary steps after."""
+    torch.manual_seed(0)
+    ddp = minddp.DDP(TwoBranches(), algorithm="ring", find_unused_parameters=True,
+                     compression=minddp.PowerSGD(rank=2, warmup_steps=0))
+    seen = []
+    for step in range(6):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+        if step == 3 and rank == 0:
+            x[0, 0] = float("inf")
+        ddp.zero_grad(set_to_none=False)
+        ddp(x, use_b=step > 0).square().sum().backward()
+        b = ddp.module.b.weight.grad
+        seen.append((b is not None and bool((b != 0).any()),
+                     bool(torch.isfinite(ddp.module.a.weight.grad).all())))
+        for p in ddp.parameters():
+            if p.grad is not None:
+                every = _gather(p.grad)
+                bits = [t.view(torch.int32) for t in every]  # NaN == NaN, bit for bit
+                assert all(torch.equal(bits[0], t) for t in bits[1:]), f"ranks differ, {step}"
+    return seen
+
+
+def test_unused_then_used_and_a_non_finite_step():
+    for seen in run_world(_off_the_happy_path, 2, timeout=120):
+        b_has_gradient = [b for b, _ in seen]
+        a_finite = [a for _, a in seen]
+        # step 0: b unused, its Q would stay zero without a fresh draw; then b learns
+        assert b_has_gradient == [False, True, True, True, True, True], seen
+        # the inf reaches .grad at step 3 and does not poison the steps after it
+        assert a_finite == [True, True, True, False, True, True], seen
+
+
+def _mismatched_settings(rank, world_size):
+    compression = minddp.PowerSGD(rank=2) if rank == 1 else "powersgd"
+    try:
+        minddp.DDP(nn.Linear(8, 8), compression=compression)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_settings_that_differ_between_ranks_raise_on_every_rank():
+    for rank, error in enumerate(run_world(_mismatched_settings, 2)):
+        assert "compression=" in error and "PowerSGD(rank=4" in error and "PowerSGD(rank=2" in error, error
+        assert f"rank {rank}" in error
+
+
 def _dies(rank, world_size):
     ddp = minddp.DDP(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)), timeout=5,
                      algorithm="ring", compression=minddp.PowerSGD(rank=2, warmup_steps=1))

@@ -126,7 +126,7 @@ def _check_dense(tensor, algorithm, group):
 
 
 def _flat(tensor):
-    """A contiguous tensor as 1-D: itself if it already is (a view costs ~1 us)."""
+    """A contiguous tensor as 1-D: itself if it already is (a view costs Python time)."""
     return tensor if tensor.dim() == 1 else tensor.view(-1)
 
 
@@ -166,7 +166,7 @@ class Link:
         """Views of the flat tensor's [start, end) cut into segments; an empty range
         gives no segment."""
         if start == 0 and end == self.numel <= self.segment:
-            return [self.flat]  # the common small bucket: no slicing (each costs ~1 us)
+            return [self.flat]  # the common small bucket: no slicing at all
         return [self.flat[s:min(s + self.segment, end)] for s in range(start, end, self.segment)]
 
     def wire(self, view, final=False, plain=False):
@@ -440,7 +440,7 @@ def _scratch(numel, dtype, device, purpose, pinned=False):
     key = (purpose, dtype, device)
     base, view = buffers.get(key, (None, None))
     if view is not None and view.numel() == numel:
-        return view  # the same size as last time: skip slicing (~1 us)
+        return view  # the same size as last time: skip slicing again
     if base is None or base.numel() < numel:
         pin = pinned and torch.cuda.is_available()
         base = torch.empty(max(numel, 1), dtype=dtype, device=device, pin_memory=pin)
