@@ -7,7 +7,8 @@ files the benchmarks wrote.
 Reads, from --results (default docs/results): compare.json (compare.py) and
 <setting>/compare.json (the same elsewhere, e.g. multinode.sh over slow links),
 trace.transformer.minddp_auto.rank0.json (compare.py --timeline: that row's trace),
-collectives_p*.json (collectives.py) and kernels.json (kernels.py --json);
+<setting>/time_to_loss.json (time_to_loss.py), collectives_p*.json (collectives.py) and
+kernels.json (kernels.py --json);
 a file that is absent leaves its section out. Every file carries the command
 that made it, the commit and the machine (benchmarks.measure.provenance), and
 the page repeats them, so every figure in the docs can be made again.
@@ -19,7 +20,8 @@ import os
 import sys
 
 from benchmarks.measure import format_interval
-from benchmarks.plots import plot_collectives, plot_compare, plot_timeline
+from benchmarks.plots import (plot_collectives, plot_compare, plot_loss_against_time,
+                              plot_timeline)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACE = "trace.transformer.minddp_auto.rank0.json"  # the step the docs show
@@ -127,6 +129,25 @@ def timeline_section(path, img):
             "steps.", "", "![one step](img/timeline.png)", ""]
 
 
+def time_to_loss_section(path, img):
+    data = _load(path)
+    meta, rows = data["meta"], data["rows"]
+    folder = os.path.basename(os.path.dirname(path))
+    picture = f"time_to_loss-{folder}.png"
+    plot_loss_against_time(rows, os.path.join(img, picture))
+    table = [[r["name"], f"{r['final_loss']:.4f}", _num(r.get("loss_vs_torch"), "{:.4f}"),
+              _num(r.get("time_to_target_s"), "{:.1f}"), _num(r.get("time_vs_torch"), "{:.3f}"),
+              _num(r.get("step_ms"), "{:.1f}"), _num(r.get("bytes_sent_mb"), "{:.2f}")]
+             for r in rows]
+    return [f"## time_to_loss.py: training to a target loss ({folder})", "", _made_by(meta),
+            f"{meta['world_size']} ranks, {meta['backend']} on {meta['device']}, {meta['steps']} "
+            f"steps of each configuration, interleaved, on {meta['text']}. Target: validation "
+            f"loss {meta['target']:.4f}, the highest of the configurations' best.", "",
+            _table(["config", "final loss", "loss / torch", "to target s", "time / torch",
+                    "step ms", "sent MB/step"], table), "",
+            f"![validation loss against wall time](img/{picture})", ""]
+
+
 def collectives_section(path, img):
     data = _load(path)
     meta, rows, world = data["meta"], data["rows"], data["world_size"]
@@ -187,6 +208,8 @@ def render(results, img):
         lines += timeline_section(os.path.join(results, TRACE), img)
     for path in sorted(glob.glob(os.path.join(results, "*", "compare.json"))):
         lines += compare_section(path, img)
+    for path in sorted(glob.glob(os.path.join(results, "*", "time_to_loss.json"))):
+        lines += time_to_loss_section(path, img)
     for path in sorted(glob.glob(os.path.join(results, "collectives_p*.json"))):
         lines += collectives_section(path, img)
     if os.path.exists(os.path.join(results, "kernels.json")):
