@@ -1,6 +1,6 @@
 """All-reduce time vs message size: minddp's ring / tree / halving-doubling / auto vs the backend.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/collectives.py [--model]
+    torchrun --standalone --nproc_per_node=2 benchmarks/collectives.py [--model] [--compression fp16]
     (or: python -m torch.distributed.run ... with the same arguments)
 
 For each size (4 B .. 64 MiB of float32) every algorithm runs interleaved,
@@ -24,6 +24,7 @@ for. Writes
 results/collectives_p{N}.json and .png; progress goes to stderr.
 """
 import argparse
+import functools
 import json
 import os
 import random
@@ -36,7 +37,7 @@ from benchmarks.measure import (Progress, format_interval, format_table, init_di
                                 median, pairwise_ratio, pairwise_ratio_interval, slowest_rank,
                                 provenance, sync, thread_cpu_ns)
 from benchmarks.plots import plot_collectives
-from minddp import algorithms
+from minddp import algorithms, compression
 from minddp.algorithms import auto, cost_model
 
 SIZES = [4, 64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20,
@@ -61,6 +62,9 @@ def parse_args(argv=None):
                         help="print the alpha-beta prediction and its relative error")
     parser.add_argument("--cpu", action="store_true",
                         help="print the CPU time per call of each thread kind (Linux)")
+    parser.add_argument("--compression", nargs="+", default=[], choices=sorted(compression.DTYPES),
+                        help="also run each algorithm (but auto) with these codecs, as "
+                             "'ring+fp16' etc.")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", default="results")
     return parser.parse_args(argv)
@@ -71,11 +75,21 @@ def repetitions(nbytes, budget):
     return max(20, int(budget * 200 * (1 << 20) / max(nbytes, 1 << 20)))
 
 
+def variants(args):
+    """Every name to run: the algorithms, then each with each codec ("ring+fp16")."""
+    return args.algorithms + [f"{a}+{c}" for c in args.compression for a in args.algorithms
+                              if a not in ("auto", NOISE_FLOOR)]
+
+
 def make_runners(names, group, chooser):
     """name -> fn(tensor): a blocking in-place all-reduce."""
     runners = {}
     for name in names:
-        if name in ("native", NOISE_FLOOR):
+        if "+" in name:
+            algorithm, codec = name.split("+")
+            runners[name] = functools.partial(compression.all_reduce, algorithm=algorithm,
+                                              group=group, compression=codec)
+        elif name in ("native", NOISE_FLOOR):
             runners[name] = lambda t: dist.all_reduce(t, group=group)
         elif name == "auto":
             runners[name] = lambda t: algorithms.ALGORITHMS[chooser.pick(t)].all_reduce(t, group)
@@ -115,6 +129,18 @@ def measure_size(nbytes, runners, reps, device, cpu=False):
     return {name: slowest_rank(t) for name, t in times.items()}, cpu_used
 
 
+def relative_error(runner, nbytes, device):
+    """|result - exact sum| / |exact sum| for one call on random data (a collective): what a
+    codec costs in accuracy; float32 rounding alone for the uncompressed algorithms."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(max(1, nbytes // 4), generator=g).to(device)
+    every = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, x)
+    exact = torch.stack(every).double().sum(0)
+    runner(x)  # in place
+    return float((x.double() - exact).norm() / exact.norm().clamp_min(1e-300))
+
+
 def cpu_per_call(samples):
     """{thread kind: seconds}, the median per kind over repetitions, then the mean
     over ranks (a collective); "all" is the median of the per-repetition sums."""
@@ -133,13 +159,14 @@ def run(args, rank, world, device):
     group = dist.group.WORLD
     costs = cost_model.measure(group)
     chooser = auto.Chooser(group, costs=costs)
-    runners = make_runners(args.algorithms, group, chooser)
+    names = variants(args)
+    runners = make_runners(names, group, chooser)
     progress = Progress(len(args.sizes), f"collectives p={world}", enabled=rank == 0)
     rows = []
     for nbytes in args.sizes:
         reps = repetitions(nbytes, args.budget)
         times, cpu_used = measure_size(nbytes, runners, reps, device, args.cpu)
-        for name in args.algorithms:
+        for name in names:
             seconds = median(times[name])
             row = {"algorithm": name, "bytes": nbytes, "world_size": world, "reps": reps,
                    "time_us": seconds * 1e6, "algbw_gbs": nbytes / seconds / 1e9,
@@ -149,15 +176,18 @@ def run(args, rank, world, device):
                    "ratio_to_native_ci": (pairwise_ratio_interval(times[name], times["native"])
                                           if "native" in times else None),
                    "picked": chooser.pick(torch.empty(nbytes // 4)) if name == "auto" else None}
-            model_name = row["picked"] or ("native" if name == NOISE_FLOOR else name)
-            row["model_us"] = cost_model.predict(model_name, nbytes, world, costs) * 1e6
-            row["model_error"] = (row["model_us"] - row["time_us"]) / row["time_us"]
+            row["wire"] = 0.5 if "+" in name else 1.0  # bytes on the wire / float32 bytes
+            row["rel_error"] = relative_error(runners[name], nbytes, device)
+            if "+" not in name:  # the model knows no codec's encode/decode time
+                model_name = row["picked"] or ("native" if name == NOISE_FLOOR else name)
+                row["model_us"] = cost_model.predict(model_name, nbytes, world, costs) * 1e6
+                row["model_error"] = (row["model_us"] - row["time_us"]) / row["time_us"]
             if args.cpu:
                 row["cpu_us"] = {kind: seconds * 1e6
                                  for kind, seconds in cpu_per_call(cpu_used[name]).items()}
             rows.append(row)
         to_best, best = relative_to_best(times), fastest(times)
-        for row in rows[-len(args.algorithms):]:
+        for row in rows[-len(names):]:
             row["ratio_to_best"] = to_best[row["algorithm"]]
             row["ratio_to_best_ci"] = pairwise_ratio_interval(times[row["algorithm"]],
                                                               times[best])
@@ -197,7 +227,8 @@ def report(rows, costs, args, world):
                ("ratio_to_native", "/native (pairwise)", "{:.2f}"),
                ("native_ci", "/native 95%", "{}"),
                ("ratio_to_best", "/best (pairwise)", "{:.2f}"), ("best_ci", "/best 95%", "{}"),
-               ("picked", "auto picked", "{}")]
+               ("picked", "auto picked", "{}"), ("wire", "wire/fp32", "{:.2f}"),
+               ("rel_error", "rel error", "{:.1e}")]
     if args.model:
         columns += [("model_us", "model us", "{:.1f}"), ("model_error", "model err", "{:+.0%}")]
     shown = [dict(r, size=_human(r["bytes"]), native_ci=format_interval(r["ratio_to_native_ci"]),

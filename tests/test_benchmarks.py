@@ -73,7 +73,8 @@ def _collectives(rank, world_size, out):
     from benchmarks import collectives
     args = collectives.parse_args(["--sizes", "4", "4096", "--budget", "0.05", "--model", "--cpu",
                                    "--algorithms", *collectives.ALGORITHMS,
-                                   collectives.NOISE_FLOOR, "--out", out])
+                                   collectives.NOISE_FLOOR, "--compression", "fp16",
+                                   "--out", out])
     rows, costs = collectives.run(args, rank, world_size, torch.device("cpu"))
     if rank == 0:
         collectives.report(rows, costs, args, world_size)
@@ -86,14 +87,19 @@ def test_collectives_writes_a_row_per_algorithm_and_size(tmp_path):
     with open(tmp_path / "collectives_p2.json") as f:
         written = json.load(f)["rows"]
     assert (tmp_path / "collectives_p2.png").stat().st_size > 0
+    codecs = ["native+fp16", "ring+fp16", "tree+fp16", "halving_doubling+fp16"]
     assert [(r["bytes"], r["algorithm"]) for r in written] == [
         (size, name) for size in (4, 4096)
-        for name in collectives.ALGORITHMS + [collectives.NOISE_FLOOR]]
+        for name in collectives.ALGORITHMS + [collectives.NOISE_FLOOR] + codecs]
     for size in (4, 4096):
         mine = [r for r in rows if r["bytes"] == size]
         for row in mine:
-            for key in ("time_us", "ratio_to_native", "ratio_to_best", "model_us"):
+            for key in ("time_us", "ratio_to_native", "ratio_to_best"):
                 assert row[key] > 0, (size, row["algorithm"], key, row[key])
+            if row["algorithm"] in codecs:  # half the bytes, fp16's rounding in the result
+                assert row["wire"] == 0.5 and 1e-6 < row["rel_error"] < 2e-3, row
+            else:  # float32 sums: rounding only
+                assert row["model_us"] > 0 and row["wire"] == 1.0 and row["rel_error"] < 1e-6, row
         # /best is paired against the algorithm with the lowest median: that
         # row is exactly 1. The others are medians of per-repetition ratios,
         # so they are not bounded below by 1 and are not checked against it.
