@@ -75,38 +75,47 @@ def orthonormalise_(p, eps=1e-8):
 
 
 class BucketState:
-    """Where one bucket's matrices sit and what PowerSGD keeps for it between steps."""
+    """Where one bucket's matrices sit and what PowerSGD keeps for it between steps.
+
+    matrices: (gradient, error, P, Q) per compressed parameter, n x m / n x m / n x r / m x r
+    views into the bucket's buffer and the flat error, p and q tensors; plain: (slice of the
+    buffer, its place in `rest`) per parameter summed as it is. All fixed for the bucket's life.
+    """
 
     def __init__(self, bucket, settings):
         r = settings.rank
         # Seeded per bucket: every rank draws the same Qs, now and whenever one is redrawn.
         self.generator = torch.Generator().manual_seed(settings.seed * 1000003 + bucket.index)
-        compress = bucket.buffer.dtype in (torch.float32, torch.float64)
-        self.matrices, self.plain = [], []  # (offset, n, m) / (offset, numel)
+        buffer = bucket.buffer
+        compress = buffer.dtype in (torch.float32, torch.float64)
+        shapes, sizes = [], []  # (offset, n, m) of the matrices / (offset, numel) of the rest
         for p, offset in zip(bucket.params, bucket.offsets):
             if compress and worth_compressing(p.shape, r):
-                self.matrices.append((offset, p.shape[0], p.numel() // p.shape[0]))
+                shapes.append((offset, p.shape[0], p.numel() // p.shape[0]))
             else:
-                self.plain.append((offset, p.numel()))
-        like = bucket.buffer
-        self.error = torch.zeros_like(like) if self.matrices else None
-        self.p = like.new_empty(sum(n * r for _, n, _ in self.matrices))
-        self.q = like.new_empty(sum(m * r for _, _, m in self.matrices))
-        self.rest = like.new_empty(sum(numel for _, numel in self.plain))
+                sizes.append((offset, p.numel()))
+        self.error = torch.zeros_like(buffer) if shapes else None
+        self.p = buffer.new_empty(sum(n * r for _, n, _ in shapes))
+        self.q = buffer.new_empty(sum(m * r for _, _, m in shapes))
+        self.rest = buffer.new_empty(sum(numel for _, numel in sizes))
+        self.matrices, at_p, at_q = [], 0, 0
+        for o, n, m in shapes:
+            self.matrices.append((buffer[o:o + n * m].view(n, m),
+                                  self.error[o:o + n * m].view(n, m),
+                                  self.p[at_p:at_p + n * r].view(n, r),
+                                  self.q[at_q:at_q + m * r].view(m, r)))
+            at_p, at_q = at_p + n * r, at_q + m * r
+        self.plain, at = [], 0
+        for o, numel in sizes:
+            self.plain.append((buffer[o:o + numel], self.rest[at:at + numel]))
+            at += numel
         # Q starts random, then warm-starts from the last step's.
-        if self.matrices:
+        if shapes:
             self.q.copy_(self.random(self.q.numel()))
         self.steps = 0
 
     def random(self, *shape):
         return torch.randn(*shape, generator=self.generator, dtype=self.q.dtype)
-
-    def views(self, flat, sizes):
-        out, at = [], 0
-        for rows, cols in sizes:
-            out.append(flat[at:at + rows * cols].view(rows, cols))
-            at += rows * cols
-        return out
 
 
 class PowerSGDReduction:
@@ -143,18 +152,10 @@ class PowerSGDReduction:
         state.steps += 1
         if state.steps <= self.settings.warmup_steps or not state.matrices:
             return sum_now(self.job, buffer)
-        r = self.settings.rank
-        if state.plain:
-            at = 0
-            for offset, numel in state.plain:
-                state.rest[at:at + numel].copy_(buffer[offset:offset + numel])
-                at += numel
-        # M = gradient + error, built in the error buffer itself (one pass, no allocation)
-        ms = [state.error[o:o + n * m].view(n, m).add_(buffer[o:o + n * m].view(n, m))
-              for o, n, m in state.matrices]
-        ps = state.views(state.p, [(n, r) for _, n, _ in state.matrices])
-        qs = state.views(state.q, [(m, r) for _, _, m in state.matrices])
-        for M, P, Q in zip(ms, ps, qs):
+        for grad, rest in state.plain:
+            rest.copy_(grad)
+        for grad, M, P, Q in state.matrices:
+            M.add_(grad)  # M = gradient + error, built in the error buffer itself
             torch.matmul(M, Q, out=P)
         sum_now(self.job, state.p)
         if not bool(torch.isfinite(state.p).all()):
@@ -163,22 +164,19 @@ class PowerSGDReduction:
             # error starts afresh. P's sum is the same everywhere: every rank branches alike.
             state.error.zero_()
             return sum_now(self.job, buffer)
-        for M, P, Q in zip(ms, ps, qs):
+        for _, M, P, Q in state.matrices:
             orthonormalise_(P)
             torch.matmul(M.t(), P, out=Q)
         sum_now(self.job, state.q)
         if state.plain:
             sum_now(self.job, state.rest)
-        for (o, n, m), M, P, Q in zip(state.matrices, ms, ps, qs):
-            out = buffer[o:o + n * m].view(n, m)
-            torch.matmul(P, Q.t(), out=out)
-            M.sub_(out, alpha=1.0 / self.world_size)  # error = M - result / p, in place
+        for grad, M, P, Q in state.matrices:
+            torch.matmul(P, Q.t(), out=grad)  # the result, in the bucket
+            M.sub_(grad, alpha=1.0 / self.world_size)  # error = M - result / p, in place
             if bool((Q.norm(dim=0) == 0).any()):
                 # M was zero on every rank (a parameter nobody used): Q = M^T P is zero and
                 # would keep every later P = M Q zero. Start it afresh, alike on every rank.
                 Q.copy_(state.random(*Q.shape))
-        at = 0
-        for offset, numel in state.plain:
-            buffer[offset:offset + numel].copy_(state.rest[at:at + numel])
-            at += numel
+        for grad, rest in state.plain:
+            grad.copy_(rest)
         return buffer

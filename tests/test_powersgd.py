@@ -49,12 +49,13 @@ def _train(rank, world_size, algorithm, steps, warmup):
     (bucket,) = ddp.reducer.buckets  # one bucket: the layout below is its own
     state = reduction.states[bucket.index]
     assert len(state.matrices) == 2 and len(state.plain) == 2
-    qs = [q.double().clone() for q in state.views(state.q, [(m, 2) for _, _, m in state.matrices])]
-    errors = [torch.zeros(n, m, dtype=torch.float64) for _, n, m in state.matrices]
+    shapes = [grad.shape for grad, _, _, _ in state.matrices]  # (n, m) each
+    qs = [q.double().clone() for _, _, _, q in state.matrices]
+    errors = [torch.zeros(n, m, dtype=torch.float64) for n, m in shapes]
     # error feedback loses nothing: the results of all steps plus what the ranks still hold
     # back add up to the exact means of all steps
-    delivered = [torch.zeros(n, m, dtype=torch.float64) for _, n, m in state.matrices]
-    owed = [torch.zeros(n, m, dtype=torch.float64) for _, n, m in state.matrices]
+    delivered = [torch.zeros(n, m, dtype=torch.float64) for n, m in shapes]
+    owed = [torch.zeros(n, m, dtype=torch.float64) for n, m in shapes]
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + rank)
         x = torch.randn(8, 24, generator=g)
@@ -68,8 +69,8 @@ def _train(rank, world_size, algorithm, steps, warmup):
             gathered = [torch.empty_like(param.grad) for _ in range(world_size)]
             dist.all_gather(gathered, param.grad)
             assert all(torch.equal(gathered[0], t) for t in gathered), "ranks differ"
-        for i, ((offset, n, m), param) in enumerate(zip(
-                state.matrices, [p for p in bucket.params if p.dim() == 2])):
+        for i, ((n, m), param) in enumerate(zip(
+                shapes, [p for p in bucket.params if p.dim() == 2])):
             local_m = mine[id(param)].double().view(n, m) / world_size
             every = [torch.empty_like(local_m) for _ in range(world_size)]
             dist.all_gather(every, local_m)
@@ -83,15 +84,15 @@ def _train(rank, world_size, algorithm, steps, warmup):
             errors[i] = new_errors[rank]
             got = param.grad.double().view(n, m)
             torch.testing.assert_close(got, result, rtol=1e-4, atol=1e-5)
-            kept = state.error[offset:offset + n * m].double().view(n, m)
+            kept = state.matrices[i][1].double()  # this rank's error for the matrix
             torch.testing.assert_close(kept, errors[i], rtol=1e-4, atol=1e-5)
             assert not torch.allclose(got, sum(every), rtol=1e-3), "rank 2 was exact?"
         for param in (p for p in bucket.params if p.dim() == 1):  # biases: exact means
             exact = sum(_gather(mine[id(param)] / world_size))
             torch.testing.assert_close(param.grad, exact, rtol=1e-6, atol=1e-7)
-    for i, (offset, n, m) in enumerate(state.matrices):
-        held_back = sum(_gather(state.error[offset:offset + n * m].double()))
-        torch.testing.assert_close(delivered[i] + held_back.view(n, m), owed[i],
+    for i, (_, error, _, _) in enumerate(state.matrices):
+        held_back = sum(_gather(error.double()))
+        torch.testing.assert_close(delivered[i] + held_back, owed[i],
                                    rtol=1e-4, atol=1e-5)
     return state.steps
 
