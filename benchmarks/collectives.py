@@ -33,9 +33,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.measure import (Progress, format_interval, format_table, init_distributed,
-                                median, pairwise_ratio, pairwise_ratio_interval, slowest_rank,
-                                provenance, sync, thread_cpu_ns)
+from benchmarks.measure import (Progress, format_interval, format_table, human_bytes,
+                                init_distributed, median, pairwise_ratio,
+                                pairwise_ratio_interval, provenance, slowest_rank, sync,
+                                thread_cpu_ns)
 from benchmarks.plots import plot_collectives
 from minddp import algorithms, compression
 from minddp.algorithms import auto, cost_model
@@ -191,7 +192,7 @@ def run(args, rank, world, device):
             row["ratio_to_best"] = to_best[row["algorithm"]]
             row["ratio_to_best_ci"] = pairwise_ratio_interval(times[row["algorithm"]],
                                                               times[best])
-        progress.step(f"{_human(nbytes)}: {reps} reps")
+        progress.step(f"{human_bytes(nbytes)}: {reps} reps")
     return rows, costs
 
 
@@ -213,13 +214,6 @@ def fastest(times):
                key=lambda name: median(times[name]))
 
 
-def _human(nbytes):
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes} B"
-
-
 def report(rows, costs, args, world):
     columns = [("size", "size", "{}"), ("algorithm", "algorithm", "{}"),
                ("time_us", "median us", "{:.1f}"), ("algbw_gbs", "algbw GB/s", "{:.3f}"),
@@ -231,7 +225,7 @@ def report(rows, costs, args, world):
                ("rel_error", "rel error", "{:.1e}")]
     if args.model:
         columns += [("model_us", "model us", "{:.1f}"), ("model_error", "model err", "{:+.0%}")]
-    shown = [dict(r, size=_human(r["bytes"]), native_ci=format_interval(r["ratio_to_native_ci"]),
+    shown = [dict(r, size=human_bytes(r["bytes"]), native_ci=format_interval(r["ratio_to_native_ci"]),
                   best_ci=format_interval(r["ratio_to_best_ci"])) for r in rows]
     if args.cpu:
         for row in shown:

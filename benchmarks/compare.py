@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -37,7 +36,8 @@ import minddp
 from benchmarks.configs import CONFIG_NAMES, CONFIGS, POWERSGD, build_configs
 from benchmarks.measure import (Progress, format_interval, format_table, median,
                                 pairwise_difference, pairwise_ratio, pairwise_ratio_interval,
-                                peak_rss_mb, provenance, run_distributed, slowest_rank, sync)
+                                peak_rss_mb, provenance, rotated, run_distributed,
+                                slowest_rank, timed)
 from benchmarks.plots import plot_compare
 from benchmarks.workloads import WORKLOADS
 from minddp.timeline import hidden_share
@@ -77,16 +77,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def timed(fn, device):
-    """Milliseconds `fn()` takes, started on every rank together."""
-    sync(device)
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return (time.perf_counter() - t0) * 1e3
-
-
 def train_step(config, workload, inputs, target):
     config.optimizer.zero_grad(set_to_none=False)
     workload.loss(config.model(*inputs), target).backward()
@@ -106,8 +96,7 @@ def run_workload(workload, args, rank, world_size, device, names):
         inputs, target = workload.batch(rank, step, batch_size)
         inputs = tuple(t.to(device) for t in inputs)
         target = target.to(device)
-        order = live[step % len(live):] + live[:step % len(live)]  # rotate who goes first
-        for config in order:
+        for config in rotated(live, step):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             ms = timed(lambda: train_step(config, workload, inputs, target), device)

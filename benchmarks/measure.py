@@ -55,6 +55,23 @@ def run_distributed(run, args):
         dist.destroy_process_group()
 
 
+def timed(fn, device):
+    """Milliseconds `fn()` takes, started on every rank together (a barrier first)."""
+    sync(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def rotated(items, step):
+    """`items` starting at position step % len: interleaved configurations take turns going
+    first, so none always runs right after the same other one."""
+    k = step % len(items)
+    return items[k:] + items[:k]
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -234,6 +251,14 @@ def _machine():
     if torch.cuda.is_available():
         text += f", {torch.cuda.get_device_name()}"
     return text
+
+
+def human_bytes(n):
+    """A message size for a table: "4 B", "64 KiB", "25 MiB"."""
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
 
 
 def format_table(rows, columns):

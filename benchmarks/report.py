@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from benchmarks.measure import format_interval
+from benchmarks.measure import format_interval, human_bytes
 from benchmarks.plots import (plot_collectives, plot_compare, plot_loss_against_time,
                               plot_timeline)
 
@@ -159,7 +159,7 @@ def collectives_section(path, img):
         by_size.setdefault(r["bytes"], {})[r["algorithm"]] = r
     table = []
     for size, mine in sorted(by_size.items()):
-        cells = [_human(size), _num(mine.get("native", {}).get("time_us"), "{:.0f}")]
+        cells = [human_bytes(size), _num(mine.get("native", {}).get("time_us"), "{:.0f}")]
         for a in algorithms:
             r = mine.get(a, {})
             ratio = _num(r.get("ratio_to_native"), "{:.2f}")
@@ -184,13 +184,6 @@ def kernels_section(path):
             "copy's bandwidth the fused kernel reaches.", "",
             _table(["setting", "op", "fused GB/s", "torch ops GB/s", "fused / torch time",
                     "fused / copy"], table), ""]
-
-
-def _human(n):
-    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:g} {unit}"
-    return f"{n} B"
 
 
 def render(results, img):

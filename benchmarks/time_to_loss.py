@@ -22,15 +22,14 @@ import argparse
 import json
 import math
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
 from benchmarks import charlm
 from benchmarks.configs import CONFIGS, build_configs
-from benchmarks.measure import (Progress, format_table, median, provenance, run_distributed,
-                                slowest_rank, sync)
+from benchmarks.measure import (Progress, format_table, median, provenance, rotated,
+                                run_distributed, slowest_rank, timed)
 from benchmarks.plots import plot_loss_against_time
 from benchmarks.workloads import WORKLOADS
 
@@ -79,6 +78,13 @@ def _evaluate(model, held_out, device):
     return sum(losses) / len(losses)
 
 
+def _train_step(config, workload, inputs, target):
+    config.optimizer.zero_grad(set_to_none=True)
+    workload.loss(config.model(*inputs), target).backward()
+    config.optimizer.step()
+    config.optimizer.scheduler.step()
+
+
 def _time_to(curve, target):
     """Wall seconds when validation loss first reached `target`, interpolated between the
     evaluations around it; None if it never did."""
@@ -102,7 +108,7 @@ def run(args, rank, world_size, device):
     configs = [c for c in build_configs(workload, names, device, args.bucket_cap_mb,
                                         optimizer=_adamw(args.lr)) if c.absent is None]
     held_out = charlm.validation()
-    times = {c.name: [] for c in configs}
+    times = {c.name: [] for c in configs}  # ms per step
     curves = {c.name: [] for c in configs}  # (step, wall seconds so far, validation loss)
     for config in configs:
         curves[config.name].append((0, 0.0, _evaluate(config.model, held_out, device)))
@@ -110,20 +116,13 @@ def run(args, rank, world_size, device):
     for step in range(args.steps):
         inputs, target = workload.batch(rank, step, args.batch_size)
         inputs, target = tuple(t.to(device) for t in inputs), target.to(device)
-        for config in configs[step % len(configs):] + configs[:step % len(configs)]:
-            sync(device)
-            dist.barrier()
-            t0 = time.perf_counter()
-            config.optimizer.zero_grad(set_to_none=True)
-            workload.loss(config.model(*inputs), target).backward()
-            config.optimizer.step()
-            config.optimizer.scheduler.step()
-            sync(device)
-            times[config.name].append(time.perf_counter() - t0)
+        for config in rotated(configs, step):
+            times[config.name].append(timed(lambda: _train_step(config, workload, inputs,
+                                                                target), device))
             bar.step(config.name)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             for config in configs:
-                elapsed = sum(slowest_rank(times[config.name]))
+                elapsed = sum(slowest_rank(times[config.name])) / 1e3
                 curves[config.name].append((step + 1, elapsed,
                                             _evaluate(config.model, held_out, device)))
     times = {name: slowest_rank(t) for name, t in times.items()}
@@ -153,8 +152,8 @@ def summarise(configs, times, curves, target, world_size):
         reached = _time_to(curve, target)
         final = curve[-1][2]
         row = {"name": config.name, "target": target, "curve": curve, "final_loss": final,
-               "time_to_target_s": reached, "step_ms": median(times[config.name]) * 1e3,
-               "wall_s": sum(times[config.name]),
+               "time_to_target_s": reached, "step_ms": median(times[config.name]),
+               "wall_s": sum(times[config.name]) / 1e3,
                "bytes_sent_mb": (None if config.bytes_sent is None
                                  else config.bytes_sent / 2**20), "world_size": world_size}
         if baseline:
