@@ -72,14 +72,20 @@ def assign(params, limits):
 
 
 def build(params, limits, stamp=False):
-    """Allocate the buckets for `params` (registration order); see `assign`.
+    """Allocate the buckets for `params` (registration order); see `assign`."""
+    return allocate(params, assign(params, limits), stamp)
+
+
+def allocate(params, assignment, stamp=False):
+    """Allocate buckets for `assignment`, lists of indices into `params` (bucket 0
+    first, each in its gradients' expected ready order).
 
     stamp=True gives bucket 0, where it holds float32 or float64 values, STAMP
     more slots behind its buffer (`carrier`): the reducer's step check rides
     there on the bucket's own all-reduce instead of a collective of its own.
     """
     buckets = []
-    for b, indices in enumerate(assign(params, limits)):
+    for b, indices in enumerate(assignment):
         members = [params[i] for i in indices]
         offsets, total = [], 0
         for p in members:
@@ -88,6 +94,6 @@ def build(params, limits, stamp=False):
         dtype = members[0].dtype
         extra = STAMP if stamp and b == 0 and dtype in (torch.float32, torch.float64) else 0
         storage = torch.zeros(total + extra, dtype=dtype, device=members[0].device)
-        buckets.append(Bucket(b, indices, members, offsets, storage[:total],
+        buckets.append(Bucket(b, list(indices), members, offsets, storage[:total],
                               storage if extra else None))
     return buckets

@@ -26,6 +26,7 @@ from minddp.algorithms import native
 from minddp.grad_bucket import GradBucket
 from minddp.health import PeerProgress
 from minddp.join import Join
+from minddp import overlap
 from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_model
 from minddp.reducer import Phase, Reducer
 from minddp.powersgd import PowerSGD, PowerSGDReduction
@@ -108,7 +109,10 @@ class DistributedDataParallel(nn.Module):
             self.compression = PowerSGD()
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)
+        # "auto": buckets planned from the first iterations (overlap.py).
+        self._plan_buckets = bucket_cap_mb == "auto"
+        self.bucket_bytes_cap = int((overlap.PROBE_CAPS_MB[-1] if self._plan_buckets
+                                     else bucket_cap_mb) * 1024 * 1024)
         self.bucket_bytes_cap_list = [int(c * 1024 * 1024) for c in bucket_cap_mb_list or []]
         self._join = None  # the active join() context, if any
         self._timeout = timeout
@@ -159,7 +163,9 @@ class DistributedDataParallel(nn.Module):
         """The buckets, the reduction and the reducer (construction and unpickling)."""
         group = self.engine.group
         rank = dist.get_rank(self.process_group)
-        limits = self.bucket_bytes_cap_list or bucketing.caps(self.bucket_bytes_cap)
+        planned = self._plan_buckets and self.world_size > 1
+        limits = (overlap.probe_limits() if planned else
+                  self.bucket_bytes_cap_list or bucketing.caps(self.bucket_bytes_cap))
         buckets = bucketing.build([p for _, p in named], limits, stamp=self.world_size > 1)
         name = f"algorithm {self.algorithm!r}"
         if isinstance(self.compression, PowerSGD):
@@ -182,7 +188,29 @@ class DistributedDataParallel(nn.Module):
             find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=static_graph,
             count_used=count_used, sum_step=sum_step if self.world_size > 1 else None,
-            timeline=self.timeline, progress=progress)
+            timeline=self.timeline, progress=progress,
+            planner=self._planned_buckets if planned else None)
+
+    def _planned_buckets(self, ready_times):
+        """bucket_cap_mb="auto", once, on every rank together: measure the link as
+        buckets use it, agree on ready times and link costs, plan, and build the
+        planned buckets (overlap.py)."""
+        engine, reduction = self.engine, self.reducer.reduction
+        job = getattr(reduction, "job", None)  # a comm hook is timed as the backend's sum
+        job = job if job is not None else functools.partial(native.all_reduce,
+                                                            group=engine.group)
+        link = overlap.measure_link(lambda t: engine.run(job, t, label="link"),
+                                    lambda t: engine.submit(job, t, label="link"),
+                                    engine.side_group, self.device, self.reducer.params[0].dtype)
+        plan = overlap.plan(self.reducer.params, *overlap.agree(
+            ready_times, link, engine.side_group, engine.device))
+        buckets = bucketing.allocate(self.reducer.params, plan.buckets, stamp=True)
+        self.reducer.reduction.setup(buckets)
+        overlap.log.debug("minddp (rank %d): buckets planned: %s",
+                          dist.get_rank(self.process_group), plan.describe())
+        if self.timeline is not None:
+            self.timeline.instant("bucket plan", **plan.describe())
+        return buckets
 
     def _take_name(self):
         """Name this wrapper's entries in the store (health.py). Constructions are
@@ -430,10 +458,14 @@ def _check_arguments(named, rank, device_ids, bucket_cap_mb, bucket_cap_mb_list,
                          f"device {device}; DistributedDataParallel device_ids only work with "
                          f"single-device GPU modules: pass device_ids=None for CPU modules, or "
                          f"[the single GPU the module is on].")
+    if bucket_cap_mb == "auto" and bucket_cap_mb_list:
+        raise ValueError(f"{where}: bucket_cap_mb='auto' plans every bucket itself; pass "
+                         f"either it or bucket_cap_mb_list, not both.")
     for cap in [bucket_cap_mb] + list(bucket_cap_mb_list or []):
-        if not isinstance(cap, (int, float)) or cap <= 0:
-            raise ValueError(f"{where}: bucket_cap_mb must be a positive number of MiB, "
-                             f"got {cap!r}.")
+        if cap != "auto" and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or
+                              cap <= 0):
+            raise ValueError(f"{where}: bucket_cap_mb must be a positive number of MiB or "
+                             f"'auto' (planned from measured gradient-ready times), got {cap!r}.")
     if algorithm not in algorithms.CHOICES:
         raise ValueError(f"{where}: unknown algorithm {algorithm!r}; choose one of "
                          f"{list(algorithms.CHOICES)}.")

@@ -74,6 +74,19 @@ def orthonormalise_(p, eps=1e-8):
     return p
 
 
+def _carry_over(old, new):
+    """Move each parameter's error feedback, and the step count, from the states
+    of one bucket layout to those of another (Q starts afresh: the shapes it
+    stacks change with the layout)."""
+    steps = max(s.steps for s in old.values())
+    errors = {id(param): view for s in old.values() for param, view in s.error_views()}
+    for s in new.values():
+        s.steps = steps
+        for param, view in s.error_views():
+            if id(param) in errors:
+                view.copy_(errors[id(param)])
+
+
 class BucketState:
     """Where one bucket's matrices sit and what PowerSGD keeps for it between steps.
 
@@ -89,8 +102,10 @@ class BucketState:
         buffer = bucket.buffer
         compress = buffer.dtype in (torch.float32, torch.float64)
         shapes, sizes = [], []  # (offset, n, m) of the matrices / (offset, numel) of the rest
-        for p, offset in zip(bucket.params, bucket.offsets):
+        compressed = []
+        for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
             if compress and worth_compressing(p.shape, r):
+                compressed.append(i)
                 shapes.append((offset, p.shape[0], p.numel() // p.shape[0]))
             else:
                 sizes.append((offset, p.numel()))
@@ -109,10 +124,16 @@ class BucketState:
         for o, numel in sizes:
             self.plain.append((buffer[o:o + numel], self.rest[at:at + numel]))
             at += numel
+        self._compressed = [(bucket.params[i], o, n * m) for i, (o, n, m) in
+                            zip(compressed, shapes)]
         # Q starts random, then warm-starts from the last step's.
         if shapes:
             self.q.copy_(self.random(self.q.numel()))
         self.steps = 0
+
+    def error_views(self):
+        """(parameter, its slice of the error buffer) per compressed parameter."""
+        return [(param, self.error[o:o + numel]) for param, o, numel in self._compressed]
 
     def random(self, *shape):
         return torch.randn(*shape, generator=self.generator, dtype=self.q.dtype)
@@ -131,7 +152,10 @@ class PowerSGDReduction:
         self.states = {}
 
     def setup(self, buckets):
+        old = self.states
         self.states = {b.index: BucketState(b, self.settings) for b in buckets}
+        if old:  # new buckets (bucket_cap_mb="auto"): keep the step count and the error
+            _carry_over(old, self.states)
         # auto decides per size: announce every size this reduction will sum.
         buffers = [b.buffer for b in buckets]
         for s in self.states.values():

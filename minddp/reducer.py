@@ -45,6 +45,7 @@ import torch
 from minddp.buckets import STAMP
 from minddp.grad_bucket import GradBucket
 from minddp.graph import reached_parameters
+from minddp.overlap import PLAN_AT, Recorder
 from minddp.timeline import now_us, profiled
 
 # How often a rank waiting for a bucket looks for a peer's note that it gave up.
@@ -71,7 +72,7 @@ class Reducer:
     def __init__(self, named_params, buckets, reduction, *, rank, world_size,
                  find_unused_parameters=False,
                  gradient_as_bucket_view=False, static_graph=False, count_used=None,
-                 sum_step=None, progress=None, timeline=None):
+                 sum_step=None, progress=None, timeline=None, planner=None):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.buckets = buckets
@@ -83,8 +84,11 @@ class Reducer:
         self.count_used, self.sum_step = count_used, sum_step
         self.progress = progress  # health.PeerProgress: names the peer when a bucket fails
         self.timeline = timeline  # see timeline.py; None records nothing
-        self._where = {index: (bucket, slot) for bucket in buckets
-                       for slot, index in enumerate(bucket.indices)}
+        # bucket_cap_mb="auto" (overlap.py): planner(notes) -> new buckets, once.
+        self.planner = planner
+        self.recorder = Recorder(len(self.params)) if planner is not None else None
+        self._measuring = False
+        self._where = _places(buckets)
         # On the CPU, as torch keeps it: a hook marks it without a device kernel.
         self.local_used = torch.zeros(len(self.params), dtype=torch.int32, device="cpu")
         self.phase = Phase.IDLE
@@ -174,6 +178,9 @@ class Reducer:
         self._next = 0
         self._used_future = self._used_reduced = self._step_sums = None
         self._step_future = self._check_step(self.forwards)
+        self._measuring = self.recorder is not None and self.recorder.measuring(self.forwards)
+        if self._measuring:
+            self.recorder.begin()
         if self._static_counts is not None:
             self._left = list(self._static_counts)
         for index in self._unused:
@@ -186,6 +193,8 @@ class Reducer:
         if self._ready[index]:
             raise RuntimeError(self._marked_twice(index))
         self._ready[index] = True
+        if self._measuring:
+            self.recorder.ready_at(index, now_us())
         bucket, slot = self._where[index]
         param, view = self.params[index], bucket.view(slot)
         # torch's rule: what is reduced is the parameter's .grad (which may hold
@@ -249,12 +258,16 @@ class Reducer:
         try:
             with profiled("minddp.finalize"):
                 self._write_back()
+            self.phase = Phase.IDLE
+            if self._measuring:
+                self._measuring = False
+                self.recorder.end(self._backward_start)
+            self._plan_if_due()
         except Exception as e:
             self._break(f"minddp (rank {self.rank}): the previous backward pass failed, so "
                         f"gradients are not synchronised; this wrapper cannot go on. Cause: "
                         f"{str(e).splitlines()[0]}")
             raise
-        self.phase = Phase.IDLE
         self.iterations += 1
         if self.timeline is not None:
             self.timeline.span("finalize", start, now_us())
@@ -481,6 +494,34 @@ class Reducer:
             futures.append(self.count_used(torch.zeros_like(self.local_used)))
         for future in futures:
             self._wait(future, "the buckets (joined rank, zeros)")
+        self._plan_if_due()  # the other ranks plan at this step: take part
+
+    # -- bucket_cap_mb="auto" ----------------------------------------------------
+    def _plan_if_due(self):
+        """After the backward of synced forward PLAN_AT (or the first one after it),
+        on every rank: agree on the measurements, plan, and use the planned buckets."""
+        if self.planner is None or self.forwards < PLAN_AT:
+            return
+        planner, self.planner = self.planner, None
+        self.use_buckets(planner(self.recorder.times()))
+        self.recorder = None
+
+    def use_buckets(self, buckets):
+        """Reduce through `buckets` (a new layout of the same parameters) from the
+        next backward on. With gradient_as_bucket_view the .grad tensors move into
+        the new buckets, values kept."""
+        if self.phase is Phase.RUNNING:
+            raise RuntimeError(f"minddp (rank {self.rank}): buckets cannot change during a "
+                               f"backward pass.")
+        where = _places(buckets)
+        if self.as_view:
+            for index, param in enumerate(self.params):
+                bucket, slot = where[index]
+                view = bucket.view(slot)
+                if param.grad is not None:
+                    view.copy_(param.grad)
+                    param.grad = view
+        self.buckets, self._where = buckets, where
 
     def close(self):
         """Remove the gradient hooks (the wrapper's close() and garbage collection)."""
@@ -511,6 +552,12 @@ def _hook(ref, index):
         if reducer is not None:
             reducer.on_gradient(index, grad_outputs[0] is not None)
     return hook
+
+
+def _places(buckets):
+    """parameter index -> (its bucket, its slot there)"""
+    return {index: (bucket, slot) for bucket in buckets
+            for slot, index in enumerate(bucket.indices)}
 
 
 def _aliases(a, b):

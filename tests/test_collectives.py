@@ -474,7 +474,7 @@ def _measure_through_spells(rank, world_size, spells):
         if len(fns) == 1:  # the add
             return [4e-4]
         return [3e-3, 3e-3] if busy else [4e-3, 3e-3]  # large ring, large native
-    cost_model._interleaved = interleaved
+    cost_model.interleaved = interleaved
     costs = cost_model.measure(dist.group.WORLD)
     return len(calls) // 3, costs.beta > 0 and costs.native_beta > 0
 

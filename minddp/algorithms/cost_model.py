@@ -111,7 +111,7 @@ def _measure_once(group, repeats):
     device = devices.group_device(group)
     small = torch.zeros(SMALL // 4, device=device)
     large = torch.zeros(LARGE // 4, device=device)
-    ring_small, tree_small, native_small = _interleaved(
+    ring_small, tree_small, native_small = interleaved(
         [lambda: ring.all_reduce(small, group), lambda: tree.all_reduce(small, group),
          lambda: dist.all_reduce(small, group=group)], repeats[0], group, device)
     alpha = ring_small / (2 * (p - 1))
@@ -120,8 +120,8 @@ def _measure_once(group, repeats):
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.rand(LARGE // 4, generator=g, device=device)
     b = torch.rand(LARGE // 4, generator=g, device=device)
-    gamma = _interleaved([lambda: a.add_(b)], repeats[1], device=device)[0] / LARGE
-    ring_large, native_large = _interleaved([lambda: ring.all_reduce(large, group),
+    gamma = interleaved([lambda: a.add_(b)], repeats[1], device=device)[0] / LARGE
+    ring_large, native_large = interleaved([lambda: ring.all_reduce(large, group),
                                              lambda: dist.all_reduce(large, group=group)],
                                             repeats[1], group, device)
     share = (p - 1) / p * LARGE
@@ -133,7 +133,7 @@ def _measure_once(group, repeats):
     return Costs(*agreed.tolist())
 
 
-def _interleaved(fns, repeats, group=None, device=None):
+def interleaved(fns, repeats, group=None, device=None):
     """Lower-quartile seconds of each fn, run in turns after one untimed warm-up round.
 
     The lower quartile, not the median: busy spells only ever slow calls down,
