@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 import minddp
-from benchmarks.configs import CONFIG_NAMES, CONFIGS, POWERSGD, build_configs
+from benchmarks.configs import (CONFIG_NAMES, CONFIGS, POWERSGD, build_configs, check_names,
+                                split_name)
 from benchmarks.measure import (Progress, format_interval, format_table, median,
                                 pairwise_difference, pairwise_ratio, pairwise_ratio_interval,
                                 peak_rss_mb, provenance, rotated, run_distributed,
@@ -59,7 +60,9 @@ def parse_args(argv=None):
                    help=f"comma-separated, from {sorted(WORKLOADS)}")
     p.add_argument("--configs", default=",".join(CONFIG_NAMES),
                    help=f"comma-separated rows to run (default: {','.join(CONFIG_NAMES)}; "
-                        f"also: {','.join(n for n in CONFIGS if n not in CONFIG_NAMES)})")
+                        f"also: {','.join(n for n in CONFIGS if n not in CONFIG_NAMES)}); "
+                        f"NAME@CAP gives a row its own bucket_cap_mb (e.g. torch_ddp@4, "
+                        f"minddp_auto@auto)")
     p.add_argument("--steps", type=int, default=12, help="measured steps per configuration")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default: workload's)")
@@ -157,10 +160,8 @@ def run(args, rank, world_size, device):
     """Run the selected workloads in the current process group; rank 0 writes the
     results and returns the rows (the other ranks return them too, unwritten)."""
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown configurations {unknown}; choose from {list(CONFIGS)}")
-    lossy = [n for n in names if isinstance(CONFIGS[n][-1], minddp.PowerSGD)]
+    check_names(names)
+    lossy = [n for n in names if isinstance(CONFIGS[split_name(n)[0]][-1], minddp.PowerSGD)]
     if lossy and args.warmup < POWERSGD.warmup_steps:
         args.warmup = POWERSGD.warmup_steps  # measure PowerSGD compressing, not warming up
         if rank == 0:

@@ -40,6 +40,32 @@ CONFIGS.update({
 })
 
 
+def split_name(name):
+    """'torch_ddp@2' -> ('torch_ddp', 2.0); 'minddp_auto@auto' -> ('minddp_auto', 'auto');
+    a plain name -> (name, None): the row takes --bucket-cap-mb."""
+    base, _, cap = name.partition("@")
+    if not cap:
+        return base, None
+    if cap == "auto":
+        return base, cap
+    try:
+        value = float(cap)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise SystemExit(f"configuration {name!r}: the part after '@' must be a bucket cap in "
+                         f"MiB (a positive number) or 'auto'")
+    return base, value
+
+
+def check_names(names):
+    """Exit with the list of known rows if a name is not one of them."""
+    unknown = [n for n in names if split_name(n)[0] not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configurations {unknown}; choose from {list(CONFIGS)}, each "
+                         f"optionally with @<bucket cap in MiB> or (minddp rows) @auto")
+
+
 @dataclasses.dataclass
 class Config:
     name: str
@@ -115,18 +141,22 @@ def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False,
     `optimizer(params)` makes each row's optimizer (default: SGD, lr 1e-3)."""
     torch.manual_seed(0)
     base = workload.build().to(device)
-    sizes = _bucket_bytes(base, cap_mb)
     world = dist.get_world_size()
     device_ids = [device] if device.type == "cuda" else None
     configs = []
     for name in names:
-        kind, *how = CONFIGS[name]
+        base_name, cap = split_name(name)
+        cap = cap_mb if cap is None else cap
+        kind, *how = CONFIGS[base_name]
+        if cap == "auto" and kind != "minddp":
+            raise SystemExit(f"configuration {name!r}: only minddp rows take @auto")
+        sizes = _bucket_bytes(base, 25 if cap == "auto" else cap)  # same total either way
         model = copy.deepcopy(base)
         config = Config(name)
         if kind == "bare":
             config.model = model
         elif kind == "torch":
-            config.model = TorchDDP(model, device_ids=device_ids, bucket_cap_mb=cap_mb,
+            config.model = TorchDDP(model, device_ids=device_ids, bucket_cap_mb=cap,
                                     gradient_as_bucket_view=as_view)
             if how[0] == "powersgd":
                 state = powerSGD_hook.PowerSGDState(
@@ -143,7 +173,7 @@ def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False,
             algorithm, compression = how
             try:
                 trace = f"{timeline}.{workload.name}.{name}" if timeline else None
-                config.model = minddp.DDP(model, device_ids=device_ids, bucket_cap_mb=cap_mb,
+                config.model = minddp.DDP(model, device_ids=device_ids, bucket_cap_mb=cap,
                                           gradient_as_bucket_view=as_view,
                                           algorithm=algorithm, compression=compression,
                                           timeline=trace)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import charlm
-from benchmarks.configs import CONFIGS, build_configs
+from benchmarks.configs import CONFIGS, build_configs, check_names
 from benchmarks.measure import (Progress, format_table, median, provenance, rotated,
                                 run_distributed, slowest_rank, timed)
 from benchmarks.plots import plot_loss_against_time
@@ -96,9 +96,7 @@ def _time_to(curve, target):
 
 def run(args, rank, world_size, device):
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown configurations {unknown}; choose from {list(CONFIGS)}")
+    check_names(names)
     workload = WORKLOADS["charlm"]
     _, where = charlm.stdlib_text()
     if rank == 0:
