@@ -27,13 +27,14 @@ from minddp.grad_bucket import GradBucket
 from minddp.health import PeerProgress
 from minddp.join import Join
 from minddp import overlap
+from minddp.compression_auto import AutoCompression
 from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_model
 from minddp.reducer import Phase, Reducer
 from minddp.powersgd import PowerSGD, PowerSGDReduction
 from minddp.reduction import AlgorithmReduction, HookReduction
 from minddp.timeline import from_environment
 
-COMPRESSIONS = (None, "fp16", "bf16", "powersgd")  # or a PowerSGD(...)
+COMPRESSIONS = (None, "fp16", "bf16", "powersgd", "auto")  # or a PowerSGD(...)
 # From torch 2.13 on, forward_sync_buffers replaces broadcast_buffers; older
 # torch has only the old name, and minddp's warnings follow the torch it runs on.
 _TORCH_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(
@@ -168,7 +169,9 @@ class DistributedDataParallel(nn.Module):
                   self.bucket_bytes_cap_list or bucketing.caps(self.bucket_bytes_cap))
         buckets = bucketing.build([p for _, p in named], limits, stamp=self.world_size > 1)
         name = f"algorithm {self.algorithm!r}"
-        if isinstance(self.compression, PowerSGD):
+        if self.compression == "auto":
+            reduction = AutoCompression(self.engine, self.algorithm, group, name, self.timeline)
+        elif isinstance(self.compression, PowerSGD):
             job = algorithms.planner(self.algorithm, group)
             reduction = PowerSGDReduction(self.engine, job, self.compression, self.world_size,
                                           name, self.timeline)
