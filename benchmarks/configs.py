@@ -37,6 +37,9 @@ CONFIGS.update({
     "torch_ddp_powersgd": ("torch", "powersgd"),
     "minddp_ring_powersgd": ("minddp", "ring", POWERSGD),
     "minddp_auto_powersgd": ("minddp", "auto", POWERSGD),
+    # fp16 per bucket where it is timed faster and its error is within budget
+    "minddp_auto_fp16": ("minddp", "auto", "fp16"),
+    "minddp_compression_auto": ("minddp", "auto", "auto"),
 })
 
 
@@ -184,6 +187,12 @@ def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False,
             if isinstance(compression, minddp.PowerSGD):
                 # Reducing outside a step would move PowerSGD's state (error, Q): no comm ms.
                 config.bytes_sent = _powersgd_bytes(config.model, world)
+            elif compression == "auto":  # as each bucket decided at start-up
+                config.communicate = _minddp_communicate(config.model)
+                reducer = config.model.reducer
+                config.bytes_sent = bytes_sent_per_rank(
+                    [b.nbytes * (0.5 if reducer.reduction.compressed[b.index] else 1.0)
+                     for b in reducer.buckets], world)
             else:
                 config.communicate = _minddp_communicate(config.model)
                 config.bytes_sent = bytes_sent_per_rank(sizes, world,
