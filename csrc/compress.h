@@ -23,16 +23,17 @@ inline void check_compress_args(const at::Tensor& src, at::ScalarType dtype) {
               "uncompressed by minddp.compression)");
   TORCH_CHECK(src.is_contiguous(), "minddp.compress: src must be contiguous; call "
               ".contiguous() on it first");
-  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "minddp.compress: dtype must be "
-              "torch.float16 or torch.bfloat16, got ", dtype);
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kChar,
+              "minddp.compress: dtype must be torch.float16, torch.bfloat16 or torch.int8, "
+              "got ", dtype);
 }
 
 // dst is undefined for decompress (it allocates its own output); for decompress.out it is `out`.
 inline void check_decompress_args(const char* op, const at::Tensor& dst, const at::Tensor& packed,
                                   const at::Tensor& scale) {
-  TORCH_CHECK(packed.scalar_type() == at::kHalf || packed.scalar_type() == at::kBFloat16,
-              op, ": packed must be float16 or bfloat16 (the output of minddp.compress), got ",
-              packed.scalar_type());
+  TORCH_CHECK(packed.scalar_type() == at::kHalf || packed.scalar_type() == at::kBFloat16 ||
+              packed.scalar_type() == at::kChar, op, ": packed must be float16, bfloat16 or "
+              "int8 (the output of minddp.compress), got ", packed.scalar_type());
   TORCH_CHECK(packed.is_contiguous(), op, ": packed must be contiguous; call .contiguous() on "
               "it first");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, op, ": scale must be "

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/bit_cast.h>
 
+#include <algorithm>
 #include <atomic>
 #include <vector>
 
@@ -53,7 +54,40 @@ void unpack_range(const uint16_t* p, int64_t n, float inv, float* dst, bool stre
   unpack_scalar<BF16, ADD>(p, n, inv, dst);
 }
 
+std::tuple<at::Tensor, at::Tensor> compress_int8(const at::Tensor& src) {
+  const float* x = src.data_ptr<float>();
+  const float amax = at::parallel_reduce(
+      0, src.numel(), kGrain, 0.0f,
+      [&](int64_t b, int64_t e, float m) {
+        for (int64_t i = b; i < e; ++i) m = std::max(m, int8_amax_of(x[i]));
+        return m;
+      },
+      [](float a, float b) { return std::max(a, b); });
+  const float scale = int8_scale_from_amax(amax);
+  at::Tensor packed = at::empty(src.sizes(), src.options().dtype(at::kChar));
+  auto* out = reinterpret_cast<signed char*>(packed.data_ptr());
+  at::parallel_for(0, src.numel(), kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) out[i] = quantize_int8(x[i], scale);
+  });
+  return {packed, at::full({1}, scale, src.options())};
+}
+
+// int8 scales are not powers of two: divide (correctly rounded), as the reference does.
+template <bool ADD>
+void unpack_int8(const at::Tensor& packed, const at::Tensor& scale, at::Tensor& dst) {
+  const auto* p = reinterpret_cast<const signed char*>(packed.data_ptr());
+  float* out = dst.data_ptr<float>();
+  const float s = scale.item<float>();
+  at::parallel_for(0, packed.numel(), kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const float v = static_cast<float>(p[i]) / s;
+      out[i] = ADD ? out[i] + v : v;
+    }
+  });
+}
+
 template <bool ADD> void unpack(const at::Tensor& packed, const at::Tensor& scale, at::Tensor& dst) {
+  if (packed.scalar_type() == at::kChar) return unpack_int8<ADD>(packed, scale, dst);
   const auto* p = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   float* out = dst.data_ptr<float>();
   const float inv = 1.0f / scale.item<float>();  // exact: scales are powers of two
@@ -75,6 +109,7 @@ template <bool ADD> void unpack(const at::Tensor& packed, const at::Tensor& scal
 // is exactly the two-pass one; at worst (growing magnitudes) it costs a second pass.
 std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& src, at::ScalarType dtype) {
   check_compress_args(src, dtype);
+  if (dtype == at::kChar) return compress_int8(src);
   const float* x = src.data_ptr<float>();
   const int64_t n = src.numel(), blocks = (n + kBlock - 1) / kBlock;
   at::Tensor packed = at::empty(src.sizes(), src.options().dtype(dtype));

@@ -32,4 +32,31 @@ MINDDP_HOST_DEVICE inline float scale_from_amax(float amax) {
   return ldexpf(1.0f, k);
 }
 
+// int8 (compress to torch.int8): the scale maps the largest magnitude to 127,
+// so values are x * scale rounded to nearest even, in [-127, 127]. Unlike the
+// 16-bit formats int8 has no inf or NaN: a tensor holding one gets a NaN
+// scale, its values pack as 0 and all decode as NaN, so an overflow still
+// reaches the optimizer (GradScaler skips the step) instead of vanishing.
+// amax here counts inf and NaN as infinite (int8_amax_of).
+MINDDP_HOST_DEVICE inline float int8_amax_of(float x) {
+  float a = fabsf(x);
+  return a <= 3.40282347e38f ? a : INFINITY;  // NaN fails the comparison
+}
+
+// A largest magnitude under 2^-120 would need a scale past fp32's range: such a
+// tensor packs as zeros (scale 1), an error below 2^-120 per value.
+constexpr float kInt8SmallestAmax = 7.52316385e-37f;  // 2^-120
+
+MINDDP_HOST_DEVICE inline float int8_scale_from_amax(float amax) {
+  if (amax == INFINITY) return amax - amax;  // NaN
+  return amax >= kInt8SmallestAmax ? 127.0f / amax : 1.0f;
+}
+
+MINDDP_HOST_DEVICE inline signed char quantize_int8(float x, float scale) {
+  float v = x * scale;
+  if (!(v == v)) return 0;
+  v = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
+  return static_cast<signed char>(rintf(v));  // round to nearest even
+}
+
 }  // namespace minddp

@@ -1,8 +1,8 @@
-"""fp16/bf16 gradient compression: codecs for the all-reduce algorithms, on minddp's kernels.
+"""fp16/bf16/int8 gradient compression: codecs for the all-reduce algorithms, on minddp's kernels.
 
 A `Codec` turns a chunk of a bucket into the tensors that travel and back:
 
-    wire = codec.encode(chunk)        # [packed fp16/bf16, scale float32[1]]
+    wire = codec.encode(chunk)        # [packed fp16/bf16/int8, scale float32[1]]
     codec.decode_add_(dst, wire)      # dst += decoded, accumulated in dst's fp32
     codec.decode_(dst, wire)          # dst = decoded
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from minddp import compression_reference as reference
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
 
 try:
     import minddp._C  # noqa: F401 - loading it registers torch.ops.minddp.*
@@ -54,7 +54,8 @@ def kernels_for(device):
 
 
 class Codec:
-    """fp16 or bf16 encoding of float32 chunks with a per-chunk power-of-two scale.
+    """fp16, bf16 or int8 encoding of float32 chunks with a per-chunk scale (a power of two
+    for fp16 and bf16, 127 / the largest magnitude for int8).
 
     `kernels`: the module providing the three ops (torch.ops.minddp or
     compression_reference); by default the fastest available for each chunk.
@@ -98,6 +99,37 @@ class Codec:
         return self._ops(dst).decompress.out(wire[0], wire[1], out=dst)
 
 
+class ErrorFeedback:
+    """A summing job with error feedback, for int8: each bucket adds what its own
+    encoding lost last step before it is summed, and keeps what it loses this step.
+
+    The loss is measured on the rank's own values in chunks of `chunk` elements
+    (about the ring's segments); the rounding of partial sums at later hops is not
+    fed back. A non-finite value clears the bucket's error (it decodes as NaN
+    this step; the error must not carry it on). Errors are kept per bucket
+    buffer, so they start afresh when the buckets change.
+    """
+
+    def __init__(self, job, codec, chunk=1 << 20):
+        self.job, self.codec, self.chunk = job, codec, chunk
+        self.errors = {}
+        if getattr(job, "setup", None) is not None:
+            self.setup = job.setup
+
+    def __call__(self, tensor):
+        key = (tensor.data_ptr(), tensor.numel())
+        error = self.errors.get(key)
+        if error is None:
+            error = self.errors[key] = torch.zeros_like(tensor)
+        tensor.add_(error)
+        for start in range(0, tensor.numel(), self.chunk):
+            mine, lost = tensor[start:start + self.chunk], error[start:start + self.chunk]
+            self.codec.decode_(lost, self.codec.encode(mine.contiguous()))
+            torch.sub(mine, lost, out=lost)
+        error.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        return self.job(tensor)
+
+
 @functools.lru_cache(maxsize=None)
 def codec_for(compression):
     """The one Codec of a compression name (auto keeps its timings per codec)."""
@@ -120,6 +152,10 @@ def native_all_reduce(tensor, group, codec):
 
     if not codec.compresses(tensor):
         return native.all_reduce(tensor, group)
+    if codec.dtype == torch.int8:
+        raise ValueError("minddp: int8 cannot be summed by the backend's all-reduce (8-bit sums "
+                         "overflow); use one of minddp's algorithms (ring, tree, "
+                         "halving_doubling, auto), which sum in fp32 at every hop.")
     if not tensor.is_contiguous():  # the kernels decode into contiguous tensors only
         tensor.copy_(native_all_reduce(tensor.contiguous(), group, codec))
         return tensor

@@ -14,10 +14,17 @@ largest value 65504 with a factor of two to spare, so nothing overflows and a
 tensor of small values is not flushed to zero. inf and NaN do not take part in
 choosing it and come out as inf and NaN. Everything stays on the tensor's
 device: no host synchronisation.
+
+int8 (dtype=torch.int8) takes a different scale, 127 / the largest magnitude
+(not a power of two: int8 has too few bits to give one away), rounds to
+nearest even into [-127, 127], and decodes by dividing. int8 has no inf or
+NaN, so a tensor holding one gets a NaN scale: its values pack as 0 and all
+decode as NaN, and the overflow still reaches the optimizer.
 """
 import torch
 
 TARGET_EXPONENT = 15  # csrc/scale.h: kTargetExponent
+INT8_SMALLEST_AMAX = 2.0 ** -120  # csrc/scale.h: kInt8SmallestAmax (smaller: packed as zeros)
 
 
 def scale_from_amax(amax):
@@ -37,7 +44,23 @@ def finite_amax(src):
     return src.abs().nan_to_num_(nan=0.0, posinf=0.0).amax()
 
 
+def int8_scale(src):
+    """127 / the largest magnitude (inf and NaN count as infinite: then NaN), 1 when that
+    is under INT8_SMALLEST_AMAX (zeros, or values too small to scale: they pack as 0)."""
+    if src.numel() == 0:
+        return src.new_ones(())
+    amax = src.abs().nan_to_num(nan=float("inf")).amax()
+    # a true division: `127.0 / amax` would be 127 * (1 / amax), rounded twice
+    scale = torch.where(amax >= INT8_SMALLEST_AMAX, torch.full_like(amax, 127.0).div(amax),
+                        torch.ones_like(amax))
+    return torch.where(torch.isinf(amax), torch.full_like(amax, float("nan")), scale)
+
+
 def compress(src, dtype):
+    if dtype == torch.int8:
+        scale = int8_scale(src).reshape(1)
+        q = torch.round(src * scale).nan_to_num_(nan=0.0).clamp_(-127, 127)
+        return q.to(torch.int8), scale
     scale = scale_from_amax(finite_amax(src)).reshape(1)
     return (src * scale).to(dtype), scale
 

@@ -34,7 +34,7 @@ from minddp.powersgd import PowerSGD, PowerSGDReduction
 from minddp.reduction import AlgorithmReduction, HookReduction
 from minddp.timeline import from_environment
 
-COMPRESSIONS = (None, "fp16", "bf16", "powersgd", "auto")  # or a PowerSGD(...)
+COMPRESSIONS = (None, "fp16", "bf16", "int8", "powersgd", "auto")  # or a PowerSGD(...)
 # From torch 2.13 on, forward_sync_buffers replaces broadcast_buffers; older
 # torch has only the old name, and minddp's warnings follow the torch it runs on.
 _TORCH_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(
@@ -50,9 +50,11 @@ class DistributedDataParallel(nn.Module):
     torch's DDP (README lists the few minddp does not implement). minddp's
     own, keyword-only: `algorithm` picks the all-reduce ("native" is the
     backend's own, "auto" times the others at construction and picks per
-    bucket size), `compression` sends gradients as fp16/bf16 ("fp16",
-    "bf16") or as rank-r factors with error feedback ("powersgd", or
-    minddp.PowerSGD(rank=..., warmup_steps=...) to choose), `timeout`
+    bucket size), `bucket_cap_mb="auto"` plans the buckets from the first
+    steps (overlap.py), `compression` sends gradients as fp16/bf16 ("fp16",
+    "bf16"), as int8 with error feedback ("int8"), as rank-r factors with
+    error feedback ("powersgd", or minddp.PowerSGD(rank=..., warmup_steps=...)
+    to choose), or as fp16 per bucket where that pays ("auto"), `timeout`
     bounds every wait for a peer (default: the process group's), `timeline`
     is a path prefix for a Chrome trace of this rank's buckets (default:
     $MINDDP_TIMELINE).
@@ -179,6 +181,8 @@ class DistributedDataParallel(nn.Module):
             codec = (None if self.compression is None
                      else compressing.codec_for(self.compression))
             job = algorithms.planner(self.algorithm, group, codec)
+            if self.compression == "int8":
+                job = compressing.ErrorFeedback(job, codec)
             reduction = AlgorithmReduction(self.engine, job, name, self.timeline,
                                            exact=codec is None)
         device = self.engine.device
@@ -472,6 +476,10 @@ def _check_arguments(named, rank, device_ids, bucket_cap_mb, bucket_cap_mb_list,
     if algorithm not in algorithms.CHOICES:
         raise ValueError(f"{where}: unknown algorithm {algorithm!r}; choose one of "
                          f"{list(algorithms.CHOICES)}.")
+    if compression == "int8" and algorithm == "native":
+        raise ValueError(f"{where}: compression='int8' needs one of minddp's own algorithms "
+                         f"(they sum in fp32 at every hop; the backend's all-reduce would add "
+                         f"8-bit values and overflow); use algorithm='ring' or 'auto'.")
     if compression not in COMPRESSIONS and not isinstance(compression, PowerSGD):
         raise ValueError(f"{where}: unknown compression {compression!r}; choose one of "
                          f"{list(COMPRESSIONS)} or minddp.PowerSGD(rank=..., warmup_steps=...).")

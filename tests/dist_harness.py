@@ -164,3 +164,28 @@ def run_world(fn, world_size, *args, timeout=60, pg_timeout=None, expect_dead=()
                 p.kill()
         for p in procs:
             p.join(timeout=5)
+
+
+def dies_in_backward(rank, world_size, compression):
+    """A two-layer wrapper with `compression` on the ring; rank 1 dies (SIGKILL) after the
+    forward of its third step. Returns (seconds rank 0's backward took to raise, the
+    error), or (None, "no error")."""
+    import signal
+
+    import torch
+    from torch import nn
+
+    import minddp
+
+    ddp = minddp.DDP(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)), timeout=5,
+                     algorithm="ring", compression=compression)
+    for step in range(3):
+        out = ddp(torch.randn(4, 64)).sum()
+        if rank == 1 and step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            out.backward()
+        except RuntimeError as e:
+            return time.monotonic() - t0, str(e)
+    return None, "no error"

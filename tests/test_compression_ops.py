@@ -2,8 +2,9 @@
 
 Every implementation (the reference itself, the CPU kernels, the CUDA kernels)
 must keep the error of compress -> decompress within 2^-10 (fp16) / 2^-7 (bf16)
-of the tensor's largest magnitude, keep inf/NaN, and the kernels must match the
-reference bit for bit (NaN payloads aside).
+/ 1/254 (int8) of the tensor's largest magnitude, keep inf/NaN (int8: turn the
+whole tensor NaN), and the kernels must match the reference bit for bit (NaN
+payloads aside).
 """
 import os
 import subprocess
@@ -80,7 +81,28 @@ def test_round_trip_error_and_specials(ops, device, name, dtype):
     torch.testing.assert_close(into, out, equal_nan=True, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("ops,device", IMPLEMENTATIONS)
+def test_int8_round_trip_error_and_specials(ops, device, name):
+    src = CASES[name].to(device)
+    packed, scale = ops.compress(src, torch.int8)
+    assert packed.dtype == torch.int8 and packed.shape == src.shape and scale.shape == (1,)
+    out = ops.decompress(packed, scale)
+    if not torch.isfinite(src).all():  # no inf or NaN in int8: all of it decodes as NaN
+        assert torch.isnan(out).all() and torch.isnan(scale).all()
+    elif src.numel():
+        amax = src.abs().max()
+        assert (out - src).abs().max() <= max(amax * (0.5 / 127) * (1 + 1e-5), 2.0 ** -120)
+        assert packed.abs().max() == (127 if amax >= 2.0 ** -120 else 0)
+    acc = torch.ones_like(src)
+    ops.decompress_add_(acc, packed, scale)
+    torch.testing.assert_close(acc, 1 + out, equal_nan=True, rtol=0, atol=0)
+    into = torch.full_like(src, 7.0)
+    assert ops.decompress.out(packed, scale, out=into) is into
+    torch.testing.assert_close(into, out, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.int8])
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("ops,device", IMPLEMENTATIONS[1:])
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset-view"])
@@ -88,8 +110,8 @@ def test_kernels_match_reference_bitwise(ops, device, name, dtype, offset):
     src = CASES[name].to(device).flatten()[offset:]  # a bucket's chunk may start anywhere
     packed, scale = ops.compress(src, dtype)
     ref_packed, ref_scale = reference.compress(src, dtype)
-    assert torch.equal(scale, ref_scale)
     exact = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(scale, ref_scale, **exact)  # int8: NaN for a tensor with inf
     torch.testing.assert_close(packed, ref_packed, **exact)
     torch.testing.assert_close(ops.decompress(packed, scale), reference.decompress(packed, scale),
                                **exact)
@@ -125,8 +147,8 @@ def test_bad_arguments_are_rejected_with_the_fix(device):
         torch.ops.minddp.compress(x.t(), torch.float16)
     with pytest.raises(RuntimeError, match=r"float32.*\.float\(\)"):
         torch.ops.minddp.compress(x.double(), torch.float16)
-    with pytest.raises(RuntimeError, match="torch.float16 or torch.bfloat16"):
-        torch.ops.minddp.compress(x, torch.int8)
+    with pytest.raises(RuntimeError, match="torch.float16, torch.bfloat16 or torch.int8"):
+        torch.ops.minddp.compress(x, torch.int16)
     packed, scale = torch.ops.minddp.compress(x, torch.float16)
     with pytest.raises(RuntimeError, match="contiguous"):
         torch.ops.minddp.decompress(packed.t(), scale)

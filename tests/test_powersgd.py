@@ -1,9 +1,6 @@
 """compression="powersgd": the wrapper's gradients against a plain reference of the same
 math, bitwise-equal ranks, error feedback, warm-up, and a dead peer mid-step."""
 import copy
-import os
-import signal
-import time
 
 import pytest
 import torch
@@ -11,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import minddp
-from dist_harness import run_world
+from dist_harness import dies_in_backward, run_world
 from minddp import powersgd
 
 
@@ -170,22 +167,8 @@ def test_settings_that_differ_between_ranks_raise_on_every_rank():
         assert f"rank {rank}" in error
 
 
-def _dies(rank, world_size):
-    ddp = minddp.DDP(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)), timeout=5,
-                     algorithm="ring", compression=minddp.PowerSGD(rank=2, warmup_steps=1))
-    for step in range(3):
-        out = ddp(torch.randn(4, 64)).sum()
-        if rank == 1 and step == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
-        t0 = time.monotonic()
-        try:
-            out.backward()
-        except RuntimeError as e:
-            return time.monotonic() - t0, str(e)
-    return None, "no error"
-
-
 def test_dead_peer_during_a_compressed_step_raises():
-    elapsed, error = run_world(_dies, 2, timeout=60, expect_dead=(1,))[0]
+    settings = minddp.PowerSGD(rank=2, warmup_steps=1)
+    elapsed, error = run_world(dies_in_backward, 2, settings, timeout=60, expect_dead=(1,))[0]
     assert elapsed is not None and elapsed < 10, error
     assert "minddp (rank 0)" in error and "PowerSGD" in error, error

@@ -21,6 +21,15 @@ std::tuple<at::Tensor, at::Tensor> compress_cuda(const at::Tensor& src, at::Scal
   at::Tensor packed = at::empty(src.sizes(), src.options().dtype(dtype));
   at::Tensor scale = at::empty({1}, src.options());
   at::Tensor workspace = at::empty({1}, src.options().dtype(at::kInt));
+  if (dtype == at::kChar) {
+    check_launch(launch_compress_int8(src.data_ptr<float>(), src.numel(),
+                                      reinterpret_cast<signed char*>(packed.data_ptr()),
+                                      scale.data_ptr<float>(),
+                                      reinterpret_cast<unsigned int*>(workspace.data_ptr<int>()),
+                                      c10::cuda::getCurrentCUDAStream()),
+                 "minddp.compress");
+    return {packed, scale};
+  }
   check_launch(launch_compress(src.data_ptr<float>(), src.numel(), dtype == at::kBFloat16,
                                packed.data_ptr(), scale.data_ptr<float>(),
                                reinterpret_cast<unsigned int*>(workspace.data_ptr<int>()),
@@ -32,6 +41,14 @@ std::tuple<at::Tensor, at::Tensor> compress_cuda(const at::Tensor& src, at::Scal
 static void unpack(const char* op, const at::Tensor& packed, const at::Tensor& scale,
                    at::Tensor& dst, bool accumulate) {
   const c10::cuda::CUDAGuard guard(packed.device());
+  if (packed.scalar_type() == at::kChar) {
+    check_launch(launch_decompress_int8(reinterpret_cast<const signed char*>(packed.data_ptr()),
+                                        packed.numel(), scale.data_ptr<float>(),
+                                        dst.data_ptr<float>(), accumulate,
+                                        c10::cuda::getCurrentCUDAStream()),
+                 op);
+    return;
+  }
   check_launch(launch_decompress(packed.data_ptr(), packed.numel(),
                                  packed.scalar_type() == at::kBFloat16, scale.data_ptr<float>(),
                                  dst.data_ptr<float>(), accumulate,
