@@ -29,6 +29,7 @@ CONFIGS = {
     "minddp_ring_fp16": ("minddp", "ring", "fp16"),
 }
 CONFIG_NAMES = list(CONFIGS)  # the default rows
+WIRE_RATIO = {None: 1.0, "fp16": 0.5, "bf16": 0.5, "int8": 0.25}  # bytes sent / bytes summed
 # Opt-in rows (--configs): low-rank compression, PowerSGD's rank 4 after 10 full steps on both
 # sides. torch's hook runs several asynchronous all-reduces per bucket while other buckets'
 # run too, which gloo can pair across buckets ("Received data size doesn't match").
@@ -37,9 +38,12 @@ CONFIGS.update({
     "torch_ddp_powersgd": ("torch", "powersgd"),
     "minddp_ring_powersgd": ("minddp", "ring", POWERSGD),
     "minddp_auto_powersgd": ("minddp", "auto", POWERSGD),
+    "minddp_auto_powersgd_r16": ("minddp", "auto", minddp.PowerSGD(rank=16, warmup_steps=10)),
     # fp16 per bucket where it is timed faster and its error is within budget
     "minddp_auto_fp16": ("minddp", "auto", "fp16"),
     "minddp_compression_auto": ("minddp", "auto", "auto"),
+    "minddp_ring_int8": ("minddp", "ring", "int8"),
+    "minddp_auto_int8": ("minddp", "auto", "int8"),
 })
 
 
@@ -195,8 +199,7 @@ def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False,
                      for b in reducer.buckets], world)
             else:
                 config.communicate = _minddp_communicate(config.model)
-                config.bytes_sent = bytes_sent_per_rank(sizes, world,
-                                                        0.5 if compression else 1.0)
+                config.bytes_sent = bytes_sent_per_rank(sizes, world, WIRE_RATIO[compression])
         config.optimizer = (optimizer or _sgd)(config.model.parameters())
         configs.append(config)
     return configs
