@@ -95,6 +95,24 @@ def readme_table(path, picture=None):
         + (["", f"![step time per configuration]({picture})"] if picture else []))
 
 
+def readme_rows(path):
+    """A README table with a row per configuration: step time, ratio, exposed
+    communication and the share hidden."""
+    data = _load(path)
+    meta, rows = data["meta"], data["rows"]
+    return "\n".join([
+        f"{meta['world_size']} {meta['device']} ranks ({meta['backend']}), medians over "
+        f"{meta['steps']} interleaved steps; exposed = step - no_comm, what backward did not "
+        "hide. " + _made_by(meta), "",
+        _table(["workload", "config", "step ms", "vs torch_ddp (95%)", "exposed ms", "hidden"],
+               [[r["workload"], r["name"], _num(r.get("step_ms"), "{:.1f}"),
+                 _num(r.get("ratio_to_torch_ddp"), "{:.3f}") +
+                 (f" ({format_interval(r.get('ratio_to_torch_ddp_ci'), digits=3)})"
+                  if r.get("ratio_to_torch_ddp_ci") else ""),
+                 _num(r.get("exposed_comm_ms"), "{:.1f}"), _num(r.get("hidden_share"), "{:.0%}")]
+                for r in rows if r["name"] != "no_comm"])])
+
+
 def with_readme_block(readme, name, text):
     """README text with the block between `name`'s markers replaced by `text`."""
     begin = readme.index(f"<!-- {name}:begin")
@@ -103,15 +121,21 @@ def with_readme_block(readme, name, text):
     return readme[:begin] + text + "\n" + readme[end:]
 
 
+# README blocks drawn from runs over a simulated link: block -> (folder in docs/results, table)
+README_SLOW_LINK = {"slow-link": ("compression-1gbit-2ranks", readme_table),
+                    "bucket-plan": ("cap-1gbit-2ranks", readme_rows)}
+
+
 def readme_blocks(readme, results):
     """README with its generated blocks rewritten from the result files that exist."""
     compare = os.path.join(results, "compare.json")
     if os.path.exists(compare):
         readme = with_readme_block(readme, "results",
                                    readme_table(compare, "docs/img/compare.png"))
-    slow = sorted(glob.glob(os.path.join(results, "*", "compare.json")))
-    if slow:
-        readme = with_readme_block(readme, "slow-link", readme_table(slow[0]))
+    for block, (folder, table) in README_SLOW_LINK.items():
+        path = os.path.join(results, folder, "compare.json")
+        if os.path.exists(path):
+            readme = with_readme_block(readme, block, table(path))
     return readme
 
 
