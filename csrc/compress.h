@@ -3,6 +3,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include "scale.h"
+
 namespace minddp {
 
 std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& src, at::ScalarType dtype);
@@ -36,8 +38,11 @@ inline void check_decompress_args(const char* op, const at::Tensor& dst, const a
               "int8 (the output of minddp.compress), got ", packed.scalar_type());
   TORCH_CHECK(packed.is_contiguous(), op, ": packed must be contiguous; call .contiguous() on "
               "it first");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, op, ": scale must be "
-              "the one-element float32 tensor returned by minddp.compress, got ",
+  // int8 has a scale per block of kInt8Block values; the 16-bit formats one in all.
+  const int64_t scales = packed.scalar_type() == at::kChar ? int8_blocks(packed.numel()) : 1;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == scales &&
+              scale.is_contiguous(), op, ": scale must be the contiguous float32 tensor of ",
+              scales, " element(s) that minddp.compress returned with packed, got ",
               scale.scalar_type(), " with ", scale.numel(), " elements");
   TORCH_CHECK(scale.device() == packed.device(), op, ": scale is on ", scale.device(),
               " but packed is on ", packed.device(), "; move both to the same device");

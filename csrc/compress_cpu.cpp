@@ -54,34 +54,57 @@ void unpack_range(const uint16_t* p, int64_t n, float inv, float* dst, bool stre
   unpack_scalar<BF16, ADD>(p, n, inv, dst);
 }
 
-std::tuple<at::Tensor, at::Tensor> compress_int8(const at::Tensor& src) {
-  const float* x = src.data_ptr<float>();
-  const float amax = at::parallel_reduce(
-      0, src.numel(), kGrain, 0.0f,
-      [&](int64_t b, int64_t e, float m) {
-        for (int64_t i = b; i < e; ++i) m = std::max(m, int8_amax_of(x[i]));
-        return m;
-      },
-      [](float a, float b) { return std::max(a, b); });
-  const float scale = int8_scale_from_amax(amax);
-  at::Tensor packed = at::empty(src.sizes(), src.options().dtype(at::kChar));
-  auto* out = reinterpret_cast<signed char*>(packed.data_ptr());
-  at::parallel_for(0, src.numel(), kGrain, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) out[i] = quantize_int8(x[i], scale);
-  });
-  return {packed, at::full({1}, scale, src.options())};
+void int8_block(const float* x, int64_t n, float* scale, signed char* out) {
+#ifdef MINDDP_X86_SIMD
+  if (cpu_isa() != Isa::kScalar) {
+    *scale = int8_scale_from_amax(int8_amax_avx2(x, n));
+    return int8_pack_avx2(x, n, *scale, out);
+  }
+#endif
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, int8_amax_of(x[i]));
+  *scale = int8_scale_from_amax(m);
+  for (int64_t i = 0; i < n; ++i) out[i] = quantize_int8(x[i], *scale);
 }
 
-// int8 scales are not powers of two: divide (correctly rounded), as the reference does.
+template <bool ADD> void int8_unblock(const signed char* p, int64_t n, float scale, float* dst) {
+#ifdef MINDDP_X86_SIMD
+  if (cpu_isa() != Isa::kScalar) return int8_unpack_avx2<ADD>(p, n, scale, dst);
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(p[i]) / scale;
+    dst[i] = ADD ? dst[i] + v : v;
+  }
+}
+
+// int8: one scale per kInt8Block values (scale.h), each block's maximum taken and
+// its values packed while the block is in L1.
+std::tuple<at::Tensor, at::Tensor> compress_int8(const at::Tensor& src) {
+  const float* x = src.data_ptr<float>();
+  const int64_t n = src.numel(), blocks = int8_blocks(n);
+  at::Tensor packed = at::empty(src.sizes(), src.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({blocks}, src.options());
+  auto* out = reinterpret_cast<signed char*>(packed.data_ptr());
+  float* scales = scale.data_ptr<float>();
+  at::parallel_for(0, blocks, kGrain / kInt8Block, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t begin = b * kInt8Block;
+      int8_block(x + begin, std::min(kInt8Block, n - begin), scales + b, out + begin);
+    }
+  });
+  return {packed, scale};
+}
+
 template <bool ADD>
 void unpack_int8(const at::Tensor& packed, const at::Tensor& scale, at::Tensor& dst) {
   const auto* p = reinterpret_cast<const signed char*>(packed.data_ptr());
   float* out = dst.data_ptr<float>();
-  const float s = scale.item<float>();
-  at::parallel_for(0, packed.numel(), kGrain, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const float v = static_cast<float>(p[i]) / s;
-      out[i] = ADD ? out[i] + v : v;
+  const float* scales = scale.data_ptr<float>();
+  const int64_t n = packed.numel();
+  at::parallel_for(0, int8_blocks(n), kGrain / kInt8Block, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t begin = b * kInt8Block;
+      int8_unblock<ADD>(p + begin, std::min(kInt8Block, n - begin), scales[b], out + begin);
     }
   });
 }

@@ -13,6 +13,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "scale.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #define MINDDP_X86_SIMD 1
 #include <immintrin.h>
@@ -174,6 +176,57 @@ MINDDP_AVX2 void unpack_avx2(const uint16_t* p, int64_t n, float inv, float* dst
   }
   if (stream) _mm_sfence();
   unpack_scalar<BF16, ADD>(p + i, n - i, inv, dst + i);
+}
+
+// int8 (scale.h), one block of values at a time; AVX-512 CPUs run these too.
+// |x| with NaN counted infinite, as int8_amax_of.
+MINDDP_AVX2 inline float int8_amax_avx2(const float* x, int64_t n) {
+  const __m256 inf = _mm256_set1_ps(INFINITY), sign = _mm256_set1_ps(-0.0f);
+  __m256 a = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i));
+    a = _mm256_max_ps(a, _mm256_blendv_ps(v, inf, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, a);
+  float m = 0.0f;
+  for (float l : lanes) m = std::max(m, l);
+  for (; i < n; ++i) m = std::max(m, int8_amax_of(x[i]));
+  return m;
+}
+
+// quantize_int8 eight at a time: NaN -> 0, clamp, round to nearest even, narrow.
+MINDDP_AVX2 inline void int8_pack_avx2(const float* x, int64_t n, float scale, signed char* out) {
+  const __m256 s = _mm256_set1_ps(scale), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), s);
+    v = _mm256_andnot_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), v);
+    v = _mm256_round_ps(_mm256_min_ps(_mm256_max_ps(v, lo), hi),
+                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i q = _mm256_cvtps_epi32(v);
+    __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm_packs_epi16(w, w));
+  }
+  for (; i < n; ++i) out[i] = quantize_int8(x[i], scale);
+}
+
+// A correctly rounded division, then the add: as the scalar loop and the reference.
+template <bool ADD>
+MINDDP_AVX2 void int8_unpack_avx2(const signed char* p, int64_t n, float scale, float* dst) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i));
+    __m256 v = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s);
+    if (ADD) v = _mm256_add_ps(_mm256_loadu_ps(dst + i), v);
+    _mm256_storeu_ps(dst + i, v);
+  }
+  for (; i < n; ++i) {
+    const float v = static_cast<float>(p[i]) / scale;
+    dst[i] = ADD ? dst[i] + v : v;
+  }
 }
 #endif
 

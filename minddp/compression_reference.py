@@ -15,16 +15,23 @@ tensor of small values is not flushed to zero. inf and NaN do not take part in
 choosing it and come out as inf and NaN. Everything stays on the tensor's
 device: no host synchronisation.
 
-int8 (dtype=torch.int8) takes a different scale, 127 / the largest magnitude
-(not a power of two: int8 has too few bits to give one away), rounds to
-nearest even into [-127, 127], and decodes by dividing. int8 has no inf or
-NaN, so a tensor holding one gets a NaN scale: its values pack as 0 and all
-decode as NaN, and the overflow still reaches the optimizer.
+int8 (dtype=torch.int8) takes one scale per block of INT8_BLOCK elements
+(float32 [int8_blocks(numel)]): 127 / the block's largest magnitude (not a
+power of two: int8 has too few bits to give one away); values round to
+nearest even into [-127, 127] and decode by dividing by their block's scale.
+int8 has no inf or NaN, so a block holding one gets a NaN scale: its values
+pack as 0 and all decode as NaN, and the overflow still reaches the optimizer.
 """
 import torch
 
 TARGET_EXPONENT = 15  # csrc/scale.h: kTargetExponent
 INT8_SMALLEST_AMAX = 2.0 ** -120  # csrc/scale.h: kInt8SmallestAmax (smaller: packed as zeros)
+INT8_BLOCK = 1024  # csrc/scale.h: kInt8Block, values per int8 scale
+
+
+def int8_blocks(numel):
+    """How many scales int8 gives `numel` values: one per block, at least one."""
+    return max(1, -(-numel // INT8_BLOCK))
 
 
 def scale_from_amax(amax):
@@ -44,29 +51,44 @@ def finite_amax(src):
     return src.abs().nan_to_num_(nan=0.0, posinf=0.0).amax()
 
 
-def int8_scale(src):
-    """127 / the largest magnitude (inf and NaN count as infinite: then NaN), 1 when that
-    is under INT8_SMALLEST_AMAX (zeros, or values too small to scale: they pack as 0)."""
-    if src.numel() == 0:
-        return src.new_ones(())
-    amax = src.abs().nan_to_num(nan=float("inf")).amax()
+def int8_scale(blocks):
+    """Per row of `blocks` (rows of INT8_BLOCK values): 127 / the largest magnitude (inf
+    and NaN count as infinite: then NaN), 1 when that is under INT8_SMALLEST_AMAX (zeros,
+    or values too small to scale: they pack as 0)."""
+    amax = blocks.abs().nan_to_num(nan=float("inf")).amax(dim=1)
     # a true division: `127.0 / amax` would be 127 * (1 / amax), rounded twice
     scale = torch.where(amax >= INT8_SMALLEST_AMAX, torch.full_like(amax, 127.0).div(amax),
                         torch.ones_like(amax))
     return torch.where(torch.isinf(amax), torch.full_like(amax, float("nan")), scale)
 
 
+def _int8_blocks(src):
+    """`src` as rows of INT8_BLOCK values, zero-padded at the end."""
+    flat = src.reshape(-1)
+    rows = src.new_zeros(int8_blocks(flat.numel()), INT8_BLOCK)
+    rows.view(-1)[:flat.numel()] = flat
+    return rows
+
+
+def _per_value(scale, packed):
+    """Each value's scale: one for 16 bits, its block's for int8."""
+    if packed.dtype != torch.int8:
+        return scale
+    return scale.repeat_interleave(INT8_BLOCK)[:packed.numel()].view(packed.shape)
+
+
 def compress(src, dtype):
     if dtype == torch.int8:
-        scale = int8_scale(src).reshape(1)
-        q = torch.round(src * scale).nan_to_num_(nan=0.0).clamp_(-127, 127)
-        return q.to(torch.int8), scale
+        rows = _int8_blocks(src)
+        scale = int8_scale(rows)
+        q = torch.round(rows * scale[:, None]).nan_to_num_(nan=0.0).clamp_(-127, 127)
+        return q.view(-1)[:src.numel()].to(torch.int8).view(src.shape), scale
     scale = scale_from_amax(finite_amax(src)).reshape(1)
     return (src * scale).to(dtype), scale
 
 
 def decompress(packed, scale):
-    return packed.float() / scale
+    return packed.float() / _per_value(scale, packed)
 
 
 def _decompress_out(packed, scale, *, out):
@@ -78,4 +100,4 @@ decompress.out = _decompress_out  # as the op's overload: torch.ops.minddp.decom
 
 def decompress_add_(dst, packed, scale):
     # Two roundings (divide, then add), as the kernels: they never fuse them.
-    return dst.add_((packed.float() / scale).view_as(dst))
+    return dst.add_(decompress(packed, scale).view_as(dst))

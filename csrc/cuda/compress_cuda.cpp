@@ -19,17 +19,16 @@ std::tuple<at::Tensor, at::Tensor> compress_cuda(const at::Tensor& src, at::Scal
   check_compress_args(src, dtype);
   const c10::cuda::CUDAGuard guard(src.device());
   at::Tensor packed = at::empty(src.sizes(), src.options().dtype(dtype));
-  at::Tensor scale = at::empty({1}, src.options());
-  at::Tensor workspace = at::empty({1}, src.options().dtype(at::kInt));
   if (dtype == at::kChar) {
+    at::Tensor scales = at::empty({int8_blocks(src.numel())}, src.options());
     check_launch(launch_compress_int8(src.data_ptr<float>(), src.numel(),
                                       reinterpret_cast<signed char*>(packed.data_ptr()),
-                                      scale.data_ptr<float>(),
-                                      reinterpret_cast<unsigned int*>(workspace.data_ptr<int>()),
-                                      c10::cuda::getCurrentCUDAStream()),
+                                      scales.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
                  "minddp.compress");
-    return {packed, scale};
+    return {packed, scales};
   }
+  at::Tensor scale = at::empty({1}, src.options());
+  at::Tensor workspace = at::empty({1}, src.options().dtype(at::kInt));
   check_launch(launch_compress(src.data_ptr<float>(), src.numel(), dtype == at::kBFloat16,
                                packed.data_ptr(), scale.data_ptr<float>(),
                                reinterpret_cast<unsigned int*>(workspace.data_ptr<int>()),

@@ -21,14 +21,12 @@ __device__ __forceinline__ float load(const __nv_bfloat16* p) { return __bfloat1
 template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
 
 // 16-bit formats: inf/NaN are skipped, they must not set the scale and pass
-// through as themselves. int8 (INT8 = true): they count as infinite (scale.h).
-template <bool INT8> __device__ __forceinline__ float magnitude(float x) {
-  if (INT8) return int8_amax_of(x);
+// through as themselves.
+__device__ __forceinline__ float magnitude(float x) {
   float a = fabsf(x);
   return a < INFINITY ? a : 0.0f;
 }
 
-template <bool INT8>
 __global__ void amax_kernel(const float* x, int64_t n, bool vec, unsigned int* amax_bits) {
   __shared__ float warp_max[kThreads / 32];
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -37,12 +35,12 @@ __global__ void amax_kernel(const float* x, int64_t n, bool vec, unsigned int* a
   if (vec) {
     for (int64_t g = i; g < n / 4; g += stride) {
       float4 v = reinterpret_cast<const float4*>(x)[g];
-      m = fmaxf(fmaxf(m, fmaxf(magnitude<INT8>(v.x), magnitude<INT8>(v.y))),
-                fmaxf(magnitude<INT8>(v.z), magnitude<INT8>(v.w)));
+      m = fmaxf(fmaxf(m, fmaxf(magnitude(v.x), magnitude(v.y))),
+                fmaxf(magnitude(v.z), magnitude(v.w)));
     }
     start = n / 4 * 4;
   }
-  for (int64_t k = start + i; k < n; k += stride) m = fmaxf(m, magnitude<INT8>(x[k]));
+  for (int64_t k = start + i; k < n; k += stride) m = fmaxf(m, magnitude(x[k]));
   for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
   __syncthreads();
@@ -101,23 +99,45 @@ __global__ void unpack_kernel(const T* p, int64_t n, bool vec, const float* scal
   }
 }
 
-__global__ void pack_int8_kernel(const float* x, int64_t n, const unsigned int* amax_bits,
-                                 float* scale_out, signed char* out) {
-  const float scale = int8_scale_from_amax(__uint_as_float(*amax_bits));
-  if (blockIdx.x == 0 && threadIdx.x == 0) *scale_out = scale;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < n; k += stride) {
-    out[k] = quantize_int8(x[k], scale);
+// One thread block per int8 block (scale.h) at a time: each thread holds
+// kInt8Block / kThreads values in registers while the block's maximum is found,
+// then packs them with the block's scale.
+static_assert(kInt8Block % kThreads == 0, "an int8 block must split evenly over the threads");
+
+__global__ void compress_int8_kernel(const float* x, int64_t n, int64_t blocks, float* scales,
+                                     signed char* out) {
+  constexpr int kPer = kInt8Block / kThreads;
+  __shared__ float warp_max[kThreads / 32];
+  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    const int64_t begin = b * kInt8Block;
+    float v[kPer];
+    float m = 0.0f;
+    for (int j = 0; j < kPer; ++j) {  // coalesced: thread t reads begin + t + j * kThreads
+      const int64_t k = begin + threadIdx.x + j * kThreads;
+      v[j] = k < n ? x[k] : 0.0f;
+      m = fmaxf(m, int8_amax_of(v[j]));
+    }
+    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+    __syncthreads();
+    for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
+    const float scale = int8_scale_from_amax(m);
+    if (threadIdx.x == 0) scales[b] = scale;
+    for (int j = 0; j < kPer; ++j) {
+      const int64_t k = begin + threadIdx.x + j * kThreads;
+      if (k < n) out[k] = quantize_int8(v[j], scale);
+    }
+    __syncthreads();  // warp_max is written again for the next block
   }
 }
 
 // Division, correctly rounded (int8 scales are not powers of two), then the add: as the reference.
 template <bool ADD>
-__global__ void unpack_int8_kernel(const signed char* p, int64_t n, const float* scale, float* dst) {
-  const float s = *scale;
+__global__ void unpack_int8_kernel(const signed char* p, int64_t n, const float* scales,
+                                   float* dst) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < n; k += stride) {
-    const float v = __fdiv_rn(static_cast<float>(p[k]), s);
+    const float v = __fdiv_rn(static_cast<float>(p[k]), scales[k / kInt8Block]);
     dst[k] = ADD ? __fadd_rn(dst[k], v) : v;
   }
 }
@@ -141,7 +161,7 @@ cudaError_t launch_compress(const float* src, int64_t n, bool bf16, void* packed
   const bool vec = aligned(src, 16) && aligned(packed, 8);
   const int grid = grid_for(vec ? n / 4 : n);
   cudaMemsetAsync(workspace, 0, sizeof(unsigned int), stream);
-  amax_kernel<false><<<grid, kThreads, 0, stream>>>(src, n, vec, workspace);
+  amax_kernel<<<grid, kThreads, 0, stream>>>(src, n, vec, workspace);
   if (bf16) {
     pack_kernel<<<grid, kThreads, 0, stream>>>(src, n, vec, workspace, scale,
                                                static_cast<__nv_bfloat16*>(packed));
@@ -165,21 +185,19 @@ cudaError_t launch_decompress(const void* packed, int64_t n, bool bf16, const fl
   return cudaGetLastError();
 }
 
-cudaError_t launch_compress_int8(const float* src, int64_t n, signed char* packed, float* scale,
-                                 unsigned int* workspace, cudaStream_t stream) {
-  const bool vec = aligned(src, 16);
-  const int grid = grid_for(vec ? n / 4 : n);
-  cudaMemsetAsync(workspace, 0, sizeof(unsigned int), stream);
-  amax_kernel<true><<<grid, kThreads, 0, stream>>>(src, n, vec, workspace);
-  pack_int8_kernel<<<grid_for(n), kThreads, 0, stream>>>(src, n, workspace, scale, packed);
+cudaError_t launch_compress_int8(const float* src, int64_t n, signed char* packed, float* scales,
+                                 cudaStream_t stream) {
+  const int64_t blocks = int8_blocks(n);
+  compress_int8_kernel<<<grid_for(blocks * kThreads), kThreads, 0, stream>>>(src, n, blocks,
+                                                                           scales, packed);
   return cudaGetLastError();
 }
 
-cudaError_t launch_decompress_int8(const signed char* packed, int64_t n, const float* scale,
+cudaError_t launch_decompress_int8(const signed char* packed, int64_t n, const float* scales,
                                    float* dst, bool accumulate, cudaStream_t stream) {
   const int grid = grid_for(n);
-  if (accumulate) unpack_int8_kernel<true><<<grid, kThreads, 0, stream>>>(packed, n, scale, dst);
-  else unpack_int8_kernel<false><<<grid, kThreads, 0, stream>>>(packed, n, scale, dst);
+  if (accumulate) unpack_int8_kernel<true><<<grid, kThreads, 0, stream>>>(packed, n, scales, dst);
+  else unpack_int8_kernel<false><<<grid, kThreads, 0, stream>>>(packed, n, scales, dst);
   return cudaGetLastError();
 }
 

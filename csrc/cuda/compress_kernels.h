@@ -17,11 +17,13 @@ cudaError_t launch_compress(const float* src, int64_t n, bool bf16, void* packed
 cudaError_t launch_decompress(const void* packed, int64_t n, bool bf16, const float* scale,
                               float* dst, bool accumulate, cudaStream_t stream);
 
-// int8 (scale.h): packed = round(src * scale), scale = 127 / largest magnitude
-// (NaN when src holds inf or NaN); dst = packed / *scale, or dst += it.
-cudaError_t launch_compress_int8(const float* src, int64_t n, signed char* packed, float* scale,
-                                 unsigned int* workspace, cudaStream_t stream);
-cudaError_t launch_decompress_int8(const signed char* packed, int64_t n, const float* scale,
+// int8 (scale.h): per block of kInt8Block values, packed = round(src * scale) with
+// scale = 127 / the block's largest magnitude (NaN when the block holds inf or
+// NaN), written to scales[int8_blocks(n)]; dst = packed / its block's scale, or
+// dst += it.
+cudaError_t launch_compress_int8(const float* src, int64_t n, signed char* packed, float* scales,
+                                 cudaStream_t stream);
+cudaError_t launch_decompress_int8(const signed char* packed, int64_t n, const float* scales,
                                    float* dst, bool accumulate, cudaStream_t stream);
 
 }  // namespace minddp
