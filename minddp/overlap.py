@@ -5,32 +5,32 @@ torch's 25 MiB a transformer's gradients mostly sit in one bucket that is
 ready only when backward ends, and all of its communication is exposed. A
 plan does better by looking at the run itself:
 
-  1. Until the plan, buckets follow PROBE_CAPS_MB (a few sizes, so both
-     terms of the link's cost can be told apart).
-  2. In the synced backwards MEASURED, the reducer notes when each
-     parameter's gradient became ready (microseconds after backward began),
-     and for each bucket when it was launched and when its reduction was
-     done. A bucket's service time is done - max(launched, previous done):
-     the communication thread reduces one bucket at a time.
-  3. At the end of the backward of synced forward PLAN_AT, every rank (a
-     joined one too, with zeros) sums its notes with an all-reduce MAX:
-     the slowest rank's ready times and link costs, the same on every rank.
-  4. `plan` puts the parameters in that ready order and chooses where
-     buckets end, by dynamic programming over the model below, so that the
-     last bucket's reduction ends as early as it can. Every rank computes
-     the same plan from the same numbers, and the reducer rebuilds its
-     buckets once, as torch rebuilds its buckets after the first iteration.
+  1. Until the plan, buckets follow PROBE_CAPS_MB: small first buckets, so
+     the first steps already overlap somewhat.
+  2. In the synced backwards MEASURED the reducer notes when each
+     parameter's gradient became ready (microseconds after backward began).
+  3. After the backward of synced forward PLAN_AT, every rank (a joined one
+     too) measures the link as the wrapper uses it (`measure_link`: one
+     bucket reduction's alpha + beta * bytes, and the slowdown a reduction
+     causes to computation beside it), and the ranks agree on the slowest
+     rank's figures with one all-reduce MAX.
+  4. `plan` puts the parameters in that ready order and chooses where buckets
+     end. Every rank computes the same plan from the same numbers, and the
+     reducer rebuilds its buckets once, as torch rebuilds its buckets after
+     the first iteration.
 
-The model: a bucket of b bytes takes alpha + beta * b on the link (alpha,
-beta fitted to the measured service times), starts when its last gradient
-is ready and the bucket before it is done. With F(j) the earliest moment
-the first j parameters' buckets can all be done,
+The model: a bucket of b bytes takes alpha + beta * b on the link, and
+starts when its last gradient is ready and the bucket before it is done.
+With F(j) the earliest moment the first j parameters' buckets can all be
+done,
 
     F(i) = min over j < i of  max(ready(i), F(j)) + alpha + beta * bytes(j..i)
 
 which is exact for this model because F only grows with its predecessor's
 finish. Large buckets pay alpha less often; small ones start sooner; the
-last bucket comes out small, so little is left to send after backward.
+last bucket comes out small, so little is left to send after backward. The
+model leaves out that a reduction can slow backward down (on a CPU whose
+cores backward needs); `plan` weighs that with `simulate`.
 """
 import dataclasses
 import logging
