@@ -39,7 +39,7 @@ CONFIGS.update({
     "minddp_ring_powersgd": ("minddp", "ring", POWERSGD),
     "minddp_auto_powersgd": ("minddp", "auto", POWERSGD),
     "minddp_auto_powersgd_r16": ("minddp", "auto", minddp.PowerSGD(rank=16, warmup_steps=10)),
-    # fp16 per bucket where it is timed faster and its error is within budget
+    # fp16 or int8 per bucket where it is timed faster and its error is within budget
     "minddp_auto_fp16": ("minddp", "auto", "fp16"),
     "minddp_compression_auto": ("minddp", "auto", "auto"),
     "minddp_ring_int8": ("minddp", "ring", "int8"),
@@ -195,7 +195,7 @@ def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False,
                 config.communicate = _minddp_communicate(config.model)
                 reducer = config.model.reducer
                 config.bytes_sent = bytes_sent_per_rank(
-                    [b.nbytes * (0.5 if reducer.reduction.compressed[b.index] else 1.0)
+                    [b.nbytes * WIRE_RATIO[reducer.reduction.compressed[b.index]]
                      for b in reducer.buckets], world)
             else:
                 config.communicate = _minddp_communicate(config.model)

@@ -1,26 +1,34 @@
-"""compression="auto": fp16 for a bucket only where it pays and stays accurate.
+"""compression="auto": per bucket, fp16 or int8 only where it pays and stays accurate.
 
 Compression is no free lunch: encoding and decoding cost time, and over a fast
-link they cost more than the bytes they save (over loopback fp16 makes every
-step slower). So each bucket decides for itself, twice:
+link they cost more than the bytes they save (over loopback every codec makes
+the step slower). So each bucket decides for itself, twice:
 
   cost   at set-up (and again whenever the buckets change), every bucket's
-         reduction is timed both ways on the real link, as the wrapper runs it:
-         full precision and fp16 (compression.py's codec, partial sums in fp32
-         at every hop), interleaved, a few rounds after barriers, the lower
-         quartile, the slowest rank's time. A bucket is compressed only when
-         fp16 is faster by more than MARGIN.
+         reduction is timed each way on the real link, as the wrapper runs it:
+         full precision, fp16, and int8 with its error feedback (compression.py's
+         codecs, partial sums in fp32 at every hop; int8 not with
+         algorithm="native", whose backend would add 8-bit values),
+         interleaved, a few rounds after barriers, the lower quartile, the
+         slowest rank's time. Candidates go in order of accuracy, and each must
+         beat the one chosen so far by more than MARGIN: int8 only where it is
+         clearly faster than fp16, fp16 only where it is clearly faster than
+         full precision.
   error  a compressed bucket's first reduction, and every CHECK_EVERY-th after
-         it, is also reduced in full precision, and the relative error of the
-         reduced gradient, |fp16 sum - exact sum| / |exact sum|, is measured.
-         Above ERROR_BUDGET the exact sum is used and the bucket stays full
-         precision from then on. Both sums are bitwise equal on every rank, so
-         every rank measures the same error and decides alike.
+         it, is also reduced in full precision, and the relative error of what
+         the optimizer receives, |compressed sum - exact sum| / |exact sum|, is
+         measured. Above its codec's ERROR_BUDGET the exact sum is used and the
+         bucket stays full precision from then on. Both sums are bitwise equal
+         on every rank, so every rank measures the same error and decides alike.
 
-Every decision is logged (logger "minddp.compression", info) and marked on the
-timeline ("compression plan", "compression off b<i>"). PowerSGD is not a
-candidate: its error on one step is large by design and only error feedback
-makes it good over many steps, which a per-step budget cannot judge.
+int8's budget is wider than fp16's: error feedback sends what one step lost
+with the next, so its error does not build up over steps; its budget only
+catches a bucket whose values int8 cannot represent. Every decision is logged
+(logger "minddp.compression", info) and marked on the timeline ("compression
+plan", "compression off b<i>"). PowerSGD is not a candidate: its error on one
+step is large by design and only error feedback over many steps makes it
+good, and it changes how the loss falls per step, which no timing of one
+reduction can weigh.
 """
 import logging
 
@@ -29,92 +37,111 @@ import torch.distributed as dist
 
 from minddp.algorithms import planner, sum_now
 from minddp.algorithms.cost_model import interleaved
-from minddp.compression import codec_for
+from minddp.compression import ErrorFeedback, codec_for
 
 log = logging.getLogger("minddp.compression")
 
-MARGIN = 0.05          # fp16 must be this much faster than full precision
-ERROR_BUDGET = 1e-2    # relative error of a reduced bucket above which fp16 is dropped
-CHECK_EVERY = 100      # reductions of a compressed bucket between error checks
+MARGIN = 0.05           # a codec must be this much faster than the choice before it
+ERROR_BUDGET = {"fp16": 1e-2, "int8": 5e-2}  # relative error of a reduced bucket
+CHECK_EVERY = 100       # reductions of a compressed bucket between error checks
 TIMING_ROUNDS = 3
 
 
+def _lossy_job(algorithm, group, name):
+    codec = codec_for(name)
+    job = planner(algorithm, group, codec)
+    return ErrorFeedback(job, codec) if name == "int8" else job
+
+
 class AutoCompression:
-    """The seam's interface (reduction.py): `algorithm` in full precision or in fp16,
+    """The seam's interface (reduction.py): `algorithm` in full precision, fp16 or int8,
     per bucket."""
 
     prescaled = True
 
     def __init__(self, engine, algorithm, group, name, timeline=None):
         self.engine, self.group, self.timeline = engine, group, timeline
+        self.algorithm = algorithm
         self.exact = planner(algorithm, group)
-        self.lossy = planner(algorithm, group, codec_for("fp16"))
+        # in order of accuracy; the backend's all-reduce cannot sum int8 (compression.py)
+        self.codecs = ("fp16",) if algorithm == "native" else ("fp16", "int8")
+        self.lossy = {name: _lossy_job(algorithm, group, name) for name in self.codecs}
         self.job = self.exact  # what a full-precision reduction runs (overlap.py times it)
         self.name = f"{name} with compression 'auto'"
-        self.compressed = {}  # bucket index -> whether it travels as fp16
+        self.compressed = {}  # bucket index -> the codec it travels with, or None
         self._reductions = {}  # bucket index -> compressed reductions so far
 
     @property
     def carries_stamp(self):
         """Bucket 0 carries the step check only while it is summed exactly."""
-        return not self.compressed.get(0, False)
+        return self.compressed.get(0) is None
 
     def setup(self, buckets):
         buffers = [b.carrier if b.carrier is not None else b.buffer for b in buckets]
         self.engine.run(self._decide, buckets, buffers, label="setup")
 
     def _decide(self, buckets, buffers):
-        """On the communication thread, on every rank: time each bucket both ways."""
-        for job in (self.exact, self.lossy):
+        """On the communication thread, on every rank: time each bucket every way."""
+        for job in (self.exact, *self.lossy.values()):
             if getattr(job, "setup", None) is not None:
                 job.setup(buffers)
+        # Timed with their own error feedback, thrown away after: probes are not gradients.
+        timed = [self.exact] + [_lossy_job(self.algorithm, self.group, name)
+                                for name in self.codecs]
+        ways = len(timed)
         times = []
         for buffer in buffers:
             probe = torch.zeros_like(buffer)
-            times += interleaved([lambda: sum_now(self.exact, probe),
-                                  lambda: sum_now(self.lossy, probe)], TIMING_ROUNDS,
-                                 self.group, probe.device)
+            times += interleaved([lambda job=job: sum_now(job, probe) for job in timed],
+                                 TIMING_ROUNDS, self.group, probe.device)
         agreed = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         agreed = agreed.tolist()
         decisions = []
-        for bucket, exact_s, fp16_s in zip(buckets, agreed[0::2], agreed[1::2]):
-            compress = bucket.buffer.dtype == torch.float32 and fp16_s < exact_s * (1 - MARGIN)
-            self.compressed[bucket.index] = compress
+        for i, bucket in enumerate(buckets):
+            seconds = dict(zip((None,) + self.codecs, agreed[i * ways:(i + 1) * ways]))
+            chosen = None
+            if bucket.buffer.dtype == torch.float32:
+                for name in self.codecs:
+                    if seconds[name] < seconds[chosen] * (1 - MARGIN):
+                        chosen = name
+            self.compressed[bucket.index] = chosen
             self._reductions[bucket.index] = 0
-            decisions.append({"bucket": bucket.index, "bytes": bucket.nbytes,
-                              "exact_ms": round(exact_s * 1e3, 3),
-                              "fp16_ms": round(fp16_s * 1e3, 3), "fp16": compress})
-        log.info("minddp compression='auto' (rank %d): fp16 for buckets %s of %d; %s",
-                 self.group.rank(), [d["bucket"] for d in decisions if d["fp16"]],
+            decisions.append({"bucket": bucket.index, "bytes": bucket.nbytes, "codec": chosen,
+                              **{f"{name or 'exact'}_ms": round(s * 1e3, 3)
+                                 for name, s in seconds.items()}})
+        log.info("minddp compression='auto' (rank %d): %s of %d buckets compressed; %s",
+                 self.group.rank(), {d["bucket"]: d["codec"] for d in decisions if d["codec"]},
                  len(decisions), decisions)
         if self.timeline is not None:
             self.timeline.instant("compression plan", thread="comm", buckets=decisions)
 
     def launch(self, bucket):
         # The step check's slots ride only on an exact sum (carries_stamp).
-        tensor = bucket.buffer() if self.compressed[bucket.index()] else bucket._to_sum()
-        return self.engine.submit(self._reduce, bucket.index(), tensor,
-                                  label=f"comm b{bucket.index()}", device=tensor.device,
-                                  timeline=self.timeline)
+        b = bucket.index()
+        tensor = bucket._to_sum() if self.compressed[b] is None else bucket.buffer()
+        return self.engine.submit(self._reduce, b, tensor, label=f"comm b{b}",
+                                  device=tensor.device, timeline=self.timeline)
 
     def _reduce(self, b, tensor):
-        """On the communication thread: the bucket's sum, in fp16 where decided."""
-        if not self.compressed[b]:
+        """On the communication thread: the bucket's sum, compressed where decided."""
+        name = self.compressed[b]
+        if name is None:
             return self.exact(tensor)
         n = self._reductions[b]
         self._reductions[b] = n + 1
         if n % CHECK_EVERY:
-            return self.lossy(tensor)
+            return self.lossy[name](tensor)
         exact = sum_now(self.exact, tensor.clone())
-        sum_now(self.lossy, tensor)
+        sum_now(self.lossy[name], tensor)
         error = float((tensor - exact).norm() / exact.norm().clamp_min(1e-30))
-        if error > ERROR_BUDGET:
-            self.compressed[b] = False
+        if error > ERROR_BUDGET[name]:
+            self.compressed[b] = None
             tensor.copy_(exact)
             log.info("minddp compression='auto' (rank %d): bucket %d back to full precision: "
-                     "fp16 error %.2e > budget %.0e", self.group.rank(), b, error,
-                     ERROR_BUDGET)
+                     "%s error %.2e > budget %.0e", self.group.rank(), b, name, error,
+                     ERROR_BUDGET[name])
             if self.timeline is not None:
-                self.timeline.instant(f"compression off b{b}", thread="comm", error=error)
+                self.timeline.instant(f"compression off b{b}", thread="comm", codec=name,
+                                      error=error)
         return tensor

@@ -54,7 +54,7 @@ class DistributedDataParallel(nn.Module):
     steps (overlap.py), `compression` sends gradients as fp16/bf16 ("fp16",
     "bf16"), as int8 with error feedback ("int8"), as rank-r factors with
     error feedback ("powersgd", or minddp.PowerSGD(rank=..., warmup_steps=...)
-    to choose), or as fp16 per bucket where that pays ("auto"), `timeout`
+    to choose), or as fp16 or int8 per bucket where that pays ("auto"), `timeout`
     bounds every wait for a peer (default: the process group's), `timeline`
     is a path prefix for a Chrome trace of this rank's buckets (default:
     $MINDDP_TIMELINE).
