@@ -461,6 +461,28 @@ def test_auto_times_the_candidates_in_a_fresh_order_each_round():
     assert all(len(b) > 1 for b in before.values()), before
 
 
+def _slow_link_rounds(rank, world_size, budget):
+    import time
+    costs = cost_model.Costs(alpha=1e-4, hop=1e-6, beta=1e-9, gamma=1e-10,
+                             native_alpha=1e-4, native_beta=1e-9)
+    auto.SIZE_BUDGET_S = budget
+    chooser = auto.Chooser(dist.group.WORLD, costs=costs)
+    calls = []
+    # Rank 1 is the slow one: the ranks must still agree on how many rounds to run.
+    chooser._run = lambda name, tensor: calls.append(name) or time.sleep(0.01 * (1 + rank))
+    chooser.pick(torch.ones(1024))
+    return len(calls) // len(chooser.names)
+
+
+def test_auto_times_fewer_rounds_where_one_round_is_slow():
+    # One round costs the slowest rank about 0.02 s per candidate: with a 1 s
+    # budget, about 1 / (0.02 * candidates) rounds plus the warm-up, not MIN_ROUNDS.
+    counts = run_world(_slow_link_rounds, 2, 1.0)
+    assert counts[0] == counts[1], "ranks ran different numbers of rounds"
+    assert auto.FEWEST_ROUNDS + 1 <= counts[0] < auto.MIN_ROUNDS
+    assert run_world(_slow_link_rounds, 2, 0.0) == [auto.FEWEST_ROUNDS + 1] * 2
+
+
 def _measure_through_spells(rank, world_size, spells):
     # Fake timings: the first `spells` attempts see small messages as slow as
     # large ones (a busy spell), later ones see a sane link.

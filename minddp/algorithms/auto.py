@@ -9,7 +9,8 @@ of percent on a busy or oversubscribed machine, is larger than the margin
 that decides. So the first time a bucket size comes up (the wrapper announces
 its buckets at start-up) the candidates are also timed on that size:
 interleaved rounds after barriers (MIN_ROUNDS to 50, as many as fit in about
-0.4 s by the model's account), the candidates in a fresh order each round,
+0.4 s by the model's account, but no more than fit in SIZE_BUDGET_S by the
+warm-up round's measure), the candidates in a fresh order each round,
 the slowest rank's time per round agreed across ranks. The winner is the
 candidate whose time is the lowest multiple of each round's best, in the
 median over rounds. That costs a few dozen all-reduces of each candidate once
@@ -113,21 +114,36 @@ class Chooser:
         # a call (a socket buffer still full, a cold cache), and a fixed
         # rotation would give each candidate the same predecessor every time.
         rounds = max(MIN_ROUNDS, min(50, int(0.4 / max(predicted_round, 1e-9))))
+        warm_up = self._round(scratch, names, random.Random(0).sample(names, len(names)))
+        rounds = min(rounds, self._affordable(warm_up))
         times = torch.zeros(len(names), rounds, dtype=torch.float64, device="cpu")
-        for r in range(rounds + 1):  # round 0 warms up: connections, buffers
-            order = random.Random(r).sample(names, len(names))
-            for name in order:
-                devices.barrier(self.group)
-                start = time.perf_counter()
-                self._run(name, scratch)
-                if scratch.is_cuda:
-                    torch.cuda.synchronize(scratch.device)
-                if r:
-                    times[names.index(name), r - 1] = time.perf_counter() - start
+        for r in range(rounds):
+            order = random.Random(r + 1).sample(names, len(names))
+            times[:, r] = torch.tensor(self._round(scratch, names, order), dtype=torch.float64)
         # The slowest rank's, agreed on the group's device (the CPU on gloo: no copy).
         agreed = times.to(devices.group_device(self.group))
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         return agreed.cpu()
+
+    def _round(self, scratch, names, order):
+        """Seconds of each of `names` (in that order) run once each in `order`, after barriers."""
+        seconds = [0.0] * len(names)
+        for name in order:
+            devices.barrier(self.group)
+            start = time.perf_counter()
+            self._run(name, scratch)
+            if scratch.is_cuda:
+                torch.cuda.synchronize(scratch.device)
+            seconds[names.index(name)] = time.perf_counter() - start
+        return seconds
+
+    def _affordable(self, warm_up):
+        """How many rounds fit in SIZE_BUDGET_S, judged by the warm-up round on the
+        slowest rank (agreed: every rank must run as many), at least FEWEST_ROUNDS."""
+        spent = torch.tensor([sum(warm_up)], dtype=torch.float64)
+        spent = spent.to(devices.group_device(self.group))
+        dist.all_reduce(spent, op=dist.ReduceOp.MAX, group=self.group)
+        return max(FEWEST_ROUNDS, int(SIZE_BUDGET_S / max(spent.item(), 1e-9)))
 
     def _run(self, name, tensor):
         if name == "native":
@@ -135,10 +151,16 @@ class Chooser:
         return CANDIDATES[name].all_reduce(tensor, self.group, codec=self.codec)
 
 
-# Timed rounds per size, however long each takes. Large buckets fit only a
-# handful of rounds into the time budget, and with a handful one slow round
-# decides between candidates a few percent apart.
+# Timed rounds per size where they are cheap. Large buckets fit only a
+# handful of rounds into the 0.4 s the model's account allows, and with a
+# handful one slow round decides between candidates a few percent apart.
 MIN_ROUNDS = 24
+# But not past SIZE_BUDGET_S per size (FEWEST_ROUNDS at least): over a slow
+# link one round of a 25 MB bucket takes most of a second (1 Gbit/s: 24 rounds
+# cost 25 s), and there the candidates differ by what they send, steadily
+# from round to round, not by the machine's hiccups.
+SIZE_BUDGET_S = 2.0
+FEWEST_ROUNDS = 3
 
 
 def _relative(times, names):
