@@ -153,6 +153,13 @@ def timeline_section(path, img):
             "steps.", "", "![one step](img/timeline.png)", ""]
 
 
+def _model_of(meta):
+    """Which model time_to_loss.py trained, with its batch (files before --workload: CharLM)."""
+    name = {"charmlp": "CharMLP", "charlm": "CharLM"}[meta.get("workload", "charlm")]
+    batch = meta.get("batch_size")
+    return f"{name}, {batch} windows per rank per step," if batch else name
+
+
 def time_to_loss_section(path, img):
     data = _load(path)
     meta, rows = data["meta"], data["rows"]
@@ -165,8 +172,10 @@ def time_to_loss_section(path, img):
              for r in rows]
     return [f"## time_to_loss.py: training to a target loss ({folder})", "", _made_by(meta),
             f"{meta['world_size']} ranks, {meta['backend']} on {meta['device']}, {meta['steps']} "
-            f"steps of each configuration, interleaved, on {meta['text']}. Target: validation "
-            f"loss {meta['target']:.4f}, the highest of the configurations' best.", "",
+            f"steps of each configuration, interleaved, {_model_of(meta)} on {meta['text']}. "
+            f"Target: validation "
+            f"loss {meta['target']:.4f}, "
+            f"{meta.get('target_rule', 'the highest of the configurations' best')}.", "",
             _table(["config", "final loss", "loss / torch", "to target s", "time / torch",
                     "step ms", "sent MB/step"], table), "",
             f"![validation loss against wall time](img/{picture})", ""]

@@ -5,8 +5,9 @@
 - `MLP`: 8 x Linear(1024), little compute per byte of gradient, so it is the
   communication-heavy case.
 - `ConvNet`: a small CNN with BatchNorm (buffers to broadcast).
-- `charlm` (charlm.py): next-byte prediction on the standard library's sources,
-  a loss that means something (time_to_loss.py).
+- `charlm` and `charmlp` (charlm.py): next-byte prediction on the standard
+  library's sources, a loss that means something (time_to_loss.py); a
+  transformer (compute-heavy) and an MLP (communication-heavy).
 
 `WORKLOADS[name]` gives a `Workload`: how to build the model, a batch for a
 (rank, step) pair, and the loss. Batches are made from a seeded generator so
@@ -136,4 +137,5 @@ WORKLOADS = {
     "mlp": Workload("mlp", MLP, _mlp_batch, F.mse_loss, 32),
     "convnet": Workload("convnet", ConvNet, _image_batch, F.cross_entropy, 32),
     "charlm": Workload("charlm", charlm.CharLM, charlm.batch, charlm.loss, 16),
+    "charmlp": Workload("charmlp", charlm.CharMLP, charlm.mlp_batch, charlm.loss, 128),
 }
