@@ -12,9 +12,11 @@ instead; a plain float32 copy (dst.copy_(src)) gives the machine's bandwidth:
     decompress       packed.float() / scale
     decompress_add_  dst.add_(packed.float(), alpha=1 / scale)
 
+(--dtype int8, a scale per 1024 values: compression_reference's torch ops.)
 GB/s counts the bytes an op must move at least (read inputs once, write
 outputs once: compress 6 bytes/element, decompress 6, decompress_add_ 10, copy
-8), so the fused/copy column is the fraction of copy bandwidth reached.
+8; int8 one less), so the fused/copy column is the fraction of copy bandwidth
+reached.
 Repetitions are interleaved across all variants (a noisy shared machine slows
 them alike) and the median is reported.
 
@@ -35,6 +37,7 @@ import torch
 
 from benchmarks.measure import provenance
 from minddp import compression  # loads minddp._C
+from minddp import compression_reference as reference
 from minddp.compression_reference import scale_from_amax
 
 KEEP_HEAP = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
@@ -44,19 +47,26 @@ def variants(x, dtype):
     """name -> (bytes moved, {impl: callable}) for one float32 tensor x."""
     n, ops = x.numel(), torch.ops.minddp
     packed, scale = ops.compress(x, dtype)
-    dst, alpha = torch.empty_like(x), 1.0 / scale.item()
-    copy_dst = torch.empty_like(x)
+    dst, copy_dst = torch.empty_like(x), torch.empty_like(x)
+    wide = 4 + dtype.itemsize  # bytes per element of fp32 in + packed out (or back)
+    if dtype == torch.int8:  # a scale per block: the reference's torch ops are the unfused way
+        unfused = {"compress": lambda: reference.compress(x, dtype),
+                   "decompress": lambda: reference.decompress(packed, scale),
+                   "decompress_add_": lambda: reference.decompress_add_(dst, packed, scale)}
+    else:
+        alpha = 1.0 / scale.item()
+        unfused = {"compress": lambda: (x * scale_from_amax(x.abs().max())).to(dtype),
+                   "decompress": lambda: packed.float() / scale,
+                   "decompress_add_": lambda: dst.add_(packed.float(), alpha=alpha)}
     return {
         "copy": (8 * n, {"torch": lambda: copy_dst.copy_(x)}),
-        "compress": (6 * n, {
-            "fused": lambda: ops.compress(x, dtype),
-            "unfused": lambda: (x * scale_from_amax(x.abs().max())).to(dtype)}),
-        "decompress": (6 * n, {
-            "fused": lambda: ops.decompress(packed, scale),
-            "unfused": lambda: packed.float() / scale}),
-        "decompress_add_": (10 * n, {
+        "compress": (wide * n, {"fused": lambda: ops.compress(x, dtype),
+                                "unfused": unfused["compress"]}),
+        "decompress": (wide * n, {"fused": lambda: ops.decompress(packed, scale),
+                                  "unfused": unfused["decompress"]}),
+        "decompress_add_": ((wide + 4) * n, {
             "fused": lambda: ops.decompress_add_(dst, packed, scale),
-            "unfused": lambda: dst.add_(packed.float(), alpha=alpha)}),
+            "unfused": unfused["decompress_add_"]}),
     }
 
 

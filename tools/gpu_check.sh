@@ -60,12 +60,14 @@ if not torch._C._dispatch_has_kernel_for_dispatch_key("minddp::compress", "CUDA"
 from minddp import compression_reference as reference
 
 x = torch.randn(1 << 20, device="cuda") * 1e3
-packed, scale = torch.ops.minddp.compress(x, torch.float16)
-want_packed, want_scale = reference.compress(x, torch.float16)
-if not (packed.is_cuda and torch.equal(scale, want_scale) and torch.equal(packed, want_packed)):
-    sys.exit("gpu-check: torch.ops.minddp.compress on CUDA differs from the pure-torch reference")
+for dtype in (torch.float16, torch.int8):
+    packed, scale = torch.ops.minddp.compress(x, dtype)
+    want_packed, want_scale = reference.compress(x, dtype)
+    if not (packed.is_cuda and torch.equal(scale, want_scale) and torch.equal(packed, want_packed)):
+        sys.exit(f"gpu-check: torch.ops.minddp.compress to {dtype} on CUDA differs from the "
+                 f"pure-torch reference")
 print(f"torch.ops.minddp.compress has a CUDA kernel on {torch.cuda.get_device_name()}, "
-      f"bitwise equal to the reference on 1M elements")
+      f"bitwise equal to the reference on 1M elements (fp16 and int8)")
 EOF
 }
 
@@ -138,7 +140,8 @@ EOF
 
 step_kernels_bench() {
     mkdir -p "$RESULTS"
-    "$PY" benchmarks/kernels.py --device cuda --json "$RESULTS/kernels.json"
+    "$PY" benchmarks/kernels.py --device cuda --json "$RESULTS/kernels.json" &&
+        "$PY" benchmarks/kernels.py --device cuda --dtype int8 --json "$RESULTS/kernels_int8.json"
 }
 
 # train.py --amp, briefly: 1 rank runs as a plain script (a world of one, NCCL).
