@@ -1,6 +1,7 @@
 """Several compare.py runs read as one sample: each row's ratio to torch_ddp, pooled.
 
     python benchmarks/pool.py results/a/compare.json results/b/compare.json ...
+    python benchmarks/pool.py --baseline minddp_auto a.json b.json   # ratios to another row
 
 One run of compare.py pins a ratio down to about 1% (its 95% interval), and
 from run to run the median itself moves by about as much: the machine's state
@@ -26,10 +27,11 @@ import json
 from benchmarks.measure import (format_interval, format_table, interval_or_none, median,
                                 step_ratios)
 
-COLUMNS = [("workload", "workload", "{}"), ("name", "config", "{}"),
-           ("runs", "each run", "{}"), ("ratio", "pooled vs torch_ddp", "{:.3f}"),
-           ("interval", "pooled 95%", "{}"), ("under_1", "runs under 1", "{}"),
-           ("steps", "steps", "{}")]
+def columns(baseline):
+    return [("workload", "workload", "{}"), ("name", "config", "{}"),
+            ("runs", "each run", "{}"), ("ratio", f"pooled vs {baseline}", "{:.3f}"),
+            ("interval", "pooled 95%", "{}"), ("under_1", "runs under 1", "{}"),
+            ("steps", "steps", "{}")]
 
 
 def steps_by_row(rows):
@@ -37,21 +39,21 @@ def steps_by_row(rows):
     return {(r["workload"], r["name"]): r["steps_ms"] for r in rows if not r.get("absent")}
 
 
-def pool(runs):
+def pool(runs, baseline="torch_ddp"):
     """runs: [(source, rows)], rows as compare.json holds them. Returns one row per
-    (workload, configuration) present in every run, torch_ddp itself left out."""
+    (workload, configuration) present in every run, the baseline itself left out."""
     indexed = [(source, steps_by_row(rows)) for source, rows in runs]
     keys = set.intersection(*(set(steps) for _, steps in indexed))
     order = [(r["workload"], r["name"]) for r in runs[0][1]]
     pooled = []
-    for workload, name in (k for k in order if k in keys and k[1] != "torch_ddp"):
+    for workload, name in (k for k in order if k in keys and k[1] != baseline):
         each = []
         for source, steps in indexed:
-            if (workload, "torch_ddp") not in steps:
-                raise SystemExit(f"pool.py: {source} has no torch_ddp row for {workload}: run "
-                                 f"compare.py with torch_ddp among --configs, the rows are "
+            if (workload, baseline) not in steps:
+                raise SystemExit(f"pool.py: {source} has no {baseline} row for {workload}: run "
+                                 f"compare.py with {baseline} among --configs, the rows are "
                                  f"ratios to it")
-            each.append(step_ratios(steps[workload, name], steps[workload, "torch_ddp"]))
+            each.append(step_ratios(steps[workload, name], steps[workload, baseline]))
         ratios = [x for run in each for x in run]
         medians = [median(run) for run in each]
         pooled.append({"workload": workload, "name": name,
@@ -65,15 +67,17 @@ def pool(runs):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("files", nargs="+", help="compare.json files, one per run")
+    p.add_argument("--baseline", default="torch_ddp",
+                   help="the configuration every row is divided by, step by step")
     args = p.parse_args(argv)
     runs = []
     for path in args.files:
         with open(path) as f:
             runs.append((path, json.load(f)["rows"]))
-    rows = pool(runs)
+    rows = pool(runs, args.baseline)
     # Three digits: pooling is for ratios too close to 1 for a single run.
     shown = [dict(r, interval=format_interval(r["interval"], digits=3)) for r in rows]
-    print(format_table(shown, COLUMNS))
+    print(format_table(shown, columns(args.baseline)))
     return rows
 
 

@@ -182,6 +182,10 @@ def test_pool_pairs_steps_within_each_run(tmp_path):
     auto = rows["minddp_auto"]  # ratios 1.05 1.1 0.95 1.0 | 0.95 1.05 1.0
     assert abs(auto["ratio"] - 1.0) < 1e-12 and auto["runs"] == "1.025 1.000"
     assert auto["under_1"] == "0 of 2"
+    # --baseline: the same pairing against another row
+    rows = {r["name"]: r for r in pool.main(["--baseline", "minddp_ring", a, b])}
+    assert set(rows) == {"torch_ddp", "minddp_auto"}
+    assert abs(rows["torch_ddp"]["ratio"] - 1 / 0.9) < 1e-12
 
 
 def test_pool_refuses_a_run_without_torch_ddp(tmp_path):
