@@ -22,6 +22,7 @@ import sys
 from benchmarks.measure import format_interval, human_bytes
 from benchmarks.plots import (plot_collectives, plot_compare, plot_loss_against_time,
                               plot_timeline)
+from benchmarks.time_to_loss import startup_seconds
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACE = "trace.transformer.minddp_auto.rank0.json"  # the step the docs show
@@ -121,9 +122,41 @@ def with_readme_block(readme, name, text):
     return readme[:begin] + text + "\n" + readme[end:]
 
 
-# README blocks drawn from runs over a simulated link: block -> (folder in docs/results, table)
-README_SLOW_LINK = {"slow-link": ("compression-1gbit-2ranks", readme_table),
-                    "bucket-plan": ("cap-1gbit-2ranks", readme_rows)}
+def readme_time_to_loss(paths):
+    """A README table with a row per time_to_loss.py run (setting) and a column per
+    configuration: time to the target relative to torch DDP's, and final loss relative to
+    torch DDP's."""
+    runs = [(os.path.basename(os.path.dirname(p)), _load(p)) for p in paths]
+    names = list(dict.fromkeys(r["name"] for _, d in runs for r in d["rows"]
+                               if r["name"] != "torch_ddp"))
+    table = []
+    for folder, data in runs:
+        mine = {r["name"]: r for r in data["rows"]}
+        cells = [folder, _model_of(data["meta"]).split(",")[0],
+                 _num(mine.get("torch_ddp", {}).get("time_to_target_s"), "{:.1f}")]
+        for name in names:
+            r = mine.get(name)
+            if r is None:
+                cells.append("-")
+                continue
+            time = _num(r.get("time_vs_torch"), "{:.2f}") if r.get("time_to_target_s") \
+                else "not reached"
+            cells.append(f"{time} ({_num(r.get('loss_vs_torch'), '{:.3f}')})")
+        table.append(cells)
+    meta = runs[0][1]["meta"]
+    return "\n".join([
+        "Wall time to the target loss relative to torch DDP's (under 1: sooner), and in brackets "
+        "final validation loss relative to torch DDP's (over 1: trained worse). Target: "
+        f"{_target_rule(meta)}. Each row is one run of "
+        "time_to_loss.py, every configuration interleaved step by step; commands, commits and "
+        "curves in [docs/results.md](docs/results.md).", "",
+        _table(["run", "model", "torch_ddp s", *names], table)])
+
+
+# README blocks drawn from runs over a simulated link: block -> (file(s) in docs/results, table)
+README_SLOW_LINK = {"slow-link": ("compression-1gbit-2ranks/compare.json", readme_table),
+                    "bucket-plan": ("cap-1gbit-2ranks/compare.json", readme_rows),
+                    "time-to-loss": ("ttl-*/time_to_loss.json", readme_time_to_loss)}
 
 
 def readme_blocks(readme, results):
@@ -132,10 +165,11 @@ def readme_blocks(readme, results):
     if os.path.exists(compare):
         readme = with_readme_block(readme, "results",
                                    readme_table(compare, "docs/img/compare.png"))
-    for block, (folder, table) in README_SLOW_LINK.items():
-        path = os.path.join(results, folder, "compare.json")
-        if os.path.exists(path):
-            readme = with_readme_block(readme, block, table(path))
+    for block, (pattern, table) in README_SLOW_LINK.items():
+        paths = sorted(glob.glob(os.path.join(results, pattern)))
+        if paths and f"<!-- {block}:begin" in readme:
+            readme = with_readme_block(readme, block, table(*paths) if "*" not in pattern
+                                       else table(paths))
     return readme
 
 
@@ -160,6 +194,11 @@ def _model_of(meta):
     return f"{name}, {batch} windows per rank per step," if batch else name
 
 
+def _target_rule(meta):
+    """How the target was chosen (files from before the rule was recorded: the old default)."""
+    return meta.get("target_rule", "the highest of the configurations' best")
+
+
 def time_to_loss_section(path, img):
     data = _load(path)
     meta, rows = data["meta"], data["rows"]
@@ -168,16 +207,16 @@ def time_to_loss_section(path, img):
     plot_loss_against_time(rows, os.path.join(img, picture))
     table = [[r["name"], f"{r['final_loss']:.4f}", _num(r.get("loss_vs_torch"), "{:.4f}"),
               _num(r.get("time_to_target_s"), "{:.1f}"), _num(r.get("time_vs_torch"), "{:.3f}"),
-              _num(r.get("step_ms"), "{:.1f}"), _num(r.get("bytes_sent_mb"), "{:.2f}")]
+              _num(startup_seconds(r["curve"], r["step_ms"]), "{:.1f}"),
+              _num(r.get("step_ms"), "{:.1f}"),
+              _num(r.get("bytes_sent_mb"), "{:.2f}")]
              for r in rows]
     return [f"## time_to_loss.py: training to a target loss ({folder})", "", _made_by(meta),
             f"{meta['world_size']} ranks, {meta['backend']} on {meta['device']}, {meta['steps']} "
             f"steps of each configuration, interleaved, {_model_of(meta)} on {meta['text']}. "
-            f"Target: validation "
-            f"loss {meta['target']:.4f}, "
-            f"{meta.get('target_rule', 'the highest of the configurations' best')}.", "",
+            f"Target: validation loss {meta['target']:.4f}, {_target_rule(meta)}.", "",
             _table(["config", "final loss", "loss / torch", "to target s", "time / torch",
-                    "step ms", "sent MB/step"], table), "",
+                    "start-up s", "step ms", "sent MB/step"], table), "",
             f"![validation loss against wall time](img/{picture})", ""]
 
 

@@ -15,7 +15,9 @@ on the same held-out windows.
 
 Reported per configuration: validation loss after the last step and its ratio to torch DDP's,
 wall time until validation loss first reached the target (interpolated linearly between
-evaluations) and its ratio to torch DDP's, median step time and bytes each rank sends per step
+evaluations) and its ratio to torch DDP's, start-up (what the steps before the first
+evaluation took beyond as many median steps: auto's timings and the bucket plan, paid once, so
+a longer run dilutes them), median step time and bytes each rank sends per step
 (once compression runs, after any warm-up). The target defaults to torch DDP's final loss plus
 1%: "as good as torch DDP", which a configuration that loses accuracy may never reach. Writes
 results/time_to_loss.json and results/time_to_loss.png (loss against wall time).
@@ -45,7 +47,8 @@ DEFAULT_CONFIGS = ("torch_ddp,torch_ddp_fp16,minddp_auto@auto,minddp_auto_int8@a
 COLUMNS = [("name", "config", "{}"), ("final_loss", "final loss", "{:.4f}"),
            ("loss_vs_torch", "loss / torch", "{:.4f}"),
            ("time_to_target_s", "to target s", "{:.1f}"),
-           ("time_vs_torch", "time / torch", "{:.3f}"), ("step_ms", "step ms", "{:.1f}"),
+           ("time_vs_torch", "time / torch", "{:.3f}"),
+           ("startup_s", "start-up s", "{:.1f}"), ("step_ms", "step ms", "{:.1f}"),
            ("bytes_sent_mb", "sent MB/step", "{:.2f}")]
 
 
@@ -155,6 +158,15 @@ def run(args, rank, world_size, device):
     return rows
 
 
+def startup_seconds(curve, step_ms):
+    """One-time costs (auto's timings, the bucket plan) land in the first steps: what the
+    steps up to the first evaluation took beyond as many median steps."""
+    if len(curve) < 2:
+        return None
+    steps, seconds, _ = curve[1]
+    return seconds - steps * step_ms / 1e3
+
+
 def _target(curves, given):
     """(the loss to reach, how it was chosen)."""
     if given is not None:
@@ -176,6 +188,7 @@ def summarise(configs, times, curves, target, world_size):
         reached = _time_to(curve, target)
         final = curve[-1][2]
         row = {"name": config.name, "target": target, "target_rule": rule, "curve": curve,
+               "startup_s": startup_seconds(curve, median(times[config.name])),
                "final_loss": final,
                "time_to_target_s": reached, "step_ms": median(times[config.name]),
                "wall_s": sum(times[config.name]) / 1e3,

@@ -159,7 +159,7 @@ MIN_ROUNDS = 24
 # link one round of a 25 MB bucket takes most of a second (1 Gbit/s: 24 rounds
 # cost 25 s), and there the candidates differ by what they send, steadily
 # from round to round, not by the machine's hiccups.
-SIZE_BUDGET_S = 2.0
+SIZE_BUDGET_S = 1.0
 FEWEST_ROUNDS = 3
 
 
