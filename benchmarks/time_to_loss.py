@@ -62,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=10, help="steps between validations")
     p.add_argument("--target", type=float, default=None,
                    help="validation loss to reach (default: torch DDP's final loss plus "
-                        f"{TARGET_SLACK:.0%}; without a torch_ddp row, the highest of the "
+                        f"{TARGET_SLACK * 100:g}%%; without a torch_ddp row, the highest of the "
                         "configurations' best, which all of them reach)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW, linear warm-up of 20 steps")
     p.add_argument("--batch-size", type=int, default=None,

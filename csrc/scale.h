@@ -50,8 +50,8 @@ constexpr float kInt8SmallestAmax = 7.52316385e-37f;  // 2^-120
 
 // int8 has one scale per block of kInt8Block elements, not one per tensor:
 // with a single scale, one large gradient flattens every small one in its
-// chunk to a few levels (measured on the benchmark models: 7-19% relative
-// error per 1-2M-element chunk, about 1% per 1024-element block), for 4 bytes
+// chunk to a few levels (measured on the benchmark models: 3-19% relative
+// error per million-element chunk, about 1% per 1024-element block), for 4 bytes
 // of scale per 1 KiB of values (0.4% more on the wire).
 constexpr int64_t kInt8Block = 1024;
 
