@@ -61,20 +61,15 @@ void int8_block(const float* x, int64_t n, float* scale, signed char* out) {
     return int8_pack_avx2(x, n, *scale, out);
   }
 #endif
-  float m = 0.0f;
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, int8_amax_of(x[i]));
-  *scale = int8_scale_from_amax(m);
-  for (int64_t i = 0; i < n; ++i) out[i] = quantize_int8(x[i], *scale);
+  *scale = int8_scale_from_amax(int8_amax_scalar(x, n));
+  int8_pack_scalar(x, n, *scale, out);
 }
 
 template <bool ADD> void int8_unblock(const signed char* p, int64_t n, float scale, float* dst) {
 #ifdef MINDDP_X86_SIMD
   if (cpu_isa() != Isa::kScalar) return int8_unpack_avx2<ADD>(p, n, scale, dst);
 #endif
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(p[i]) / scale;
-    dst[i] = ADD ? dst[i] + v : v;
-  }
+  int8_unpack_scalar<ADD>(p, n, scale, dst);
 }
 
 // int8: one scale per kInt8Block values (scale.h), each block's maximum taken and

@@ -56,6 +56,26 @@ void unpack_scalar(const uint16_t* p, int64_t n, float inv, float* dst) {
   }
 }
 
+// int8 (scale.h), one block of values at a time.
+inline float int8_amax_scalar(const float* x, int64_t n, float m = 0.0f) {
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, int8_amax_of(x[i]));
+  return m;
+}
+
+inline void int8_pack_scalar(const float* x, int64_t n, float scale, signed char* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = quantize_int8(x[i], scale);
+}
+
+// int8 scales are not powers of two: a correctly rounded division, then the add,
+// as the reference does.
+template <bool ADD>
+void int8_unpack_scalar(const signed char* p, int64_t n, float scale, float* dst) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(p[i]) / scale;
+    dst[i] = ADD ? dst[i] + v : v;
+  }
+}
+
 #ifdef MINDDP_X86_SIMD
 #define MINDDP_AVX512 __attribute__((target("avx512f")))
 
@@ -178,7 +198,7 @@ MINDDP_AVX2 void unpack_avx2(const uint16_t* p, int64_t n, float inv, float* dst
   unpack_scalar<BF16, ADD>(p + i, n - i, inv, dst + i);
 }
 
-// int8 (scale.h), one block of values at a time; AVX-512 CPUs run these too.
+// The int8 kernels, 8 lanes wide; AVX-512 CPUs run these too.
 // |x| with NaN counted infinite, as int8_amax_of.
 MINDDP_AVX2 inline float int8_amax_avx2(const float* x, int64_t n) {
   const __m256 inf = _mm256_set1_ps(INFINITY), sign = _mm256_set1_ps(-0.0f);
@@ -190,10 +210,7 @@ MINDDP_AVX2 inline float int8_amax_avx2(const float* x, int64_t n) {
   }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, a);
-  float m = 0.0f;
-  for (float l : lanes) m = std::max(m, l);
-  for (; i < n; ++i) m = std::max(m, int8_amax_of(x[i]));
-  return m;
+  return int8_amax_scalar(x + i, n - i, int8_amax_scalar(lanes, 8));
 }
 
 // quantize_int8 eight at a time: NaN -> 0, clamp, round to nearest even, narrow.
@@ -209,7 +226,7 @@ MINDDP_AVX2 inline void int8_pack_avx2(const float* x, int64_t n, float scale, s
     __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm_packs_epi16(w, w));
   }
-  for (; i < n; ++i) out[i] = quantize_int8(x[i], scale);
+  int8_pack_scalar(x + i, n - i, scale, out + i);
 }
 
 // A correctly rounded division, then the add: as the scalar loop and the reference.
@@ -223,10 +240,7 @@ MINDDP_AVX2 void int8_unpack_avx2(const signed char* p, int64_t n, float scale, 
     if (ADD) v = _mm256_add_ps(_mm256_loadu_ps(dst + i), v);
     _mm256_storeu_ps(dst + i, v);
   }
-  for (; i < n; ++i) {
-    const float v = static_cast<float>(p[i]) / scale;
-    dst[i] = ADD ? dst[i] + v : v;
-  }
+  int8_unpack_scalar<ADD>(p + i, n - i, scale, dst + i);
 }
 #endif
 

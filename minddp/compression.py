@@ -2,7 +2,8 @@
 
 A `Codec` turns a chunk of a bucket into the tensors that travel and back:
 
-    wire = codec.encode(chunk)        # [packed fp16/bf16/int8, scale float32[1]]
+    wire = codec.encode(chunk)        # [packed fp16/bf16/int8, scale float32[1]; int8:
+                                      #  float32[one per 1024 values]]
     codec.decode_add_(dst, wire)      # dst += decoded, accumulated in dst's fp32
     codec.decode_(dst, wire)          # dst = decoded
 
@@ -54,8 +55,9 @@ def kernels_for(device):
 
 
 class Codec:
-    """fp16, bf16 or int8 encoding of float32 chunks with a per-chunk scale (a power of two
-    for fp16 and bf16, 127 / the largest magnitude for int8).
+    """fp16, bf16 or int8 encoding of float32 chunks: fp16 and bf16 with one power-of-two
+    scale per chunk, int8 with one scale per block of 1024 values (127 / the block's largest
+    magnitude).
 
     `kernels`: the module providing the three ops (torch.ops.minddp or
     compression_reference); by default the fastest available for each chunk.
@@ -103,9 +105,10 @@ class ErrorFeedback:
     """A summing job with error feedback, for int8: each bucket adds what its own
     encoding lost last step before it is summed, and keeps what it loses this step.
 
-    The loss is measured on the rank's own values in chunks of `chunk` elements
-    (about the ring's segments); the rounding of partial sums at later hops is not
-    fed back. A non-finite value clears the bucket's error (it decodes as NaN
+    The loss is measured on the rank's own values in chunks of `chunk` elements,
+    whose int8 blocks need not line up with those the algorithm's segments encode:
+    what is fed back is what encoding these values loses, close to but not exactly
+    what the wire lost. The rounding of partial sums at later hops is not fed back. A non-finite value clears the bucket's error (it decodes as NaN
     this step; the error must not carry it on). Errors are kept per bucket
     buffer, so they start afresh when the buckets change.
     """

@@ -55,7 +55,8 @@ def int8_scale(blocks):
     """Per row of `blocks` (rows of INT8_BLOCK values): 127 / the largest magnitude (inf
     and NaN count as infinite: then NaN), 1 when that is under INT8_SMALLEST_AMAX (zeros,
     or values too small to scale: they pack as 0)."""
-    amax = blocks.abs().nan_to_num(nan=float("inf")).amax(dim=1)
+    # posinf too: nan_to_num would otherwise turn inf into the largest finite value
+    amax = blocks.abs().nan_to_num(nan=float("inf"), posinf=float("inf")).amax(dim=1)
     # a true division: `127.0 / amax` would be 127 * (1 / amax), rounded twice
     scale = torch.where(amax >= INT8_SMALLEST_AMAX, torch.full_like(amax, 127.0).div(amax),
                         torch.ones_like(amax))

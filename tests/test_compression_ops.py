@@ -50,6 +50,11 @@ def inputs():
     special = torch.randn(1000, generator=g)
     special[[3, 500, 999]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
     cases["nan-inf"] = special
+    # int8 blocks: an exact multiple of the block, and an inf in the middle block only
+    cases["two-int8-blocks"] = torch.randn(2 * reference.INT8_BLOCK, generator=g)
+    middle = torch.randn(3 * reference.INT8_BLOCK, generator=g)
+    middle[reference.INT8_BLOCK + 5] = float("inf")
+    cases["inf-in-middle-block"] = middle
     return cases
 
 
@@ -86,16 +91,18 @@ def test_round_trip_error_and_specials(ops, device, name, dtype):
 def test_int8_round_trip_error_and_specials(ops, device, name):
     src = CASES[name].to(device)
     packed, scale = ops.compress(src, torch.int8)
-    blocks = max(1, -(-src.numel() // 1024))  # one scale per 1024 values, at least one
+    block, blocks = reference.INT8_BLOCK, reference.int8_blocks(src.numel())
+    assert blocks == max(1, -(-src.numel() // 1024))  # one scale per 1024 values, at least one
     assert packed.dtype == torch.int8 and packed.shape == src.shape and scale.shape == (blocks,)
     out = ops.decompress(packed, scale)
     flat_src, flat_out, flat_packed = src.flatten(), out.flatten(), packed.flatten()
     for b in range(blocks):
-        part = slice(b * 1024, (b + 1) * 1024)
+        part = slice(b * block, (b + 1) * block)
         x, y, q = flat_src[part], flat_out[part], flat_packed[part]
         if not torch.isfinite(x).all():  # no inf or NaN in int8: the block decodes as NaN
             assert torch.isnan(y).all() and torch.isnan(scale[b])
-        elif x.numel():
+        elif x.numel():  # and only that block: its neighbours keep finite scales
+            assert torch.isfinite(scale[b]) and torch.isfinite(y).all()
             amax = x.abs().max()  # the error is bounded by the block's own largest value
             assert (y - x).abs().max() <= max(amax * (0.5 / 127) * (1 + 1e-5), 2.0 ** -120)
             assert q.abs().max() == (127 if amax >= 2.0 ** -120 else 0)
@@ -110,13 +117,14 @@ def test_int8_round_trip_error_and_specials(ops, device, name):
 @pytest.mark.parametrize("ops,device", IMPLEMENTATIONS)
 def test_int8_scales_are_per_block(ops, device):
     """A huge value costs only its own block precision: the next block keeps 127 levels."""
-    src = torch.randn(2048, generator=torch.Generator().manual_seed(3)).to(device)
+    block = reference.INT8_BLOCK
+    src = torch.randn(2 * block, generator=torch.Generator().manual_seed(3)).to(device)
     src[5] = 1e6
     packed, scale = ops.compress(src, torch.int8)
     out = ops.decompress(packed, scale)
-    assert (packed[:1024] != 0).sum() < 10  # flattened beside the outlier
-    small = src[1024:]
-    assert (out[1024:] - small).abs().max() <= small.abs().max() / 254 * (1 + 1e-5)
+    assert (packed[:block] != 0).sum() < 10  # flattened beside the outlier
+    small = src[block:]
+    assert (out[block:] - small).abs().max() <= small.abs().max() / 254 * (1 + 1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.int8])
