@@ -10,10 +10,10 @@ the step slower). So each bucket decides for itself, twice:
          codecs, partial sums in fp32 at every hop; int8 not with
          algorithm="native", whose backend would add 8-bit values),
          interleaved, a few rounds after barriers, the lower quartile, the
-         slowest rank's time. Candidates go in order of accuracy, and each must
-         beat the one chosen so far by more than MARGIN: int8 only where it is
-         clearly faster than fp16, fp16 only where it is clearly faster than
-         full precision.
+         slowest rank's time. Candidates go in order of accuracy, and a codec
+         is taken only where it beats every more accurate one by more than
+         MARGIN: fp16 where it is clearly faster than full precision, int8
+         where it is clearly faster than both.
   error  a compressed bucket's first reduction, and every CHECK_EVERY-th after
          it, is also reduced in full precision, and the relative error of what
          the optimizer receives, |compressed sum - exact sum| / |exact sum|, is
@@ -35,13 +35,14 @@ import logging
 import torch
 import torch.distributed as dist
 
+from minddp import devices
 from minddp.algorithms import planner, sum_now
 from minddp.algorithms.cost_model import interleaved
-from minddp.compression import ErrorFeedback, codec_for
+from minddp.compression import ErrorFeedback, _is_native, codec_for
 
 log = logging.getLogger("minddp.compression")
 
-MARGIN = 0.05           # a codec must be this much faster than the choice before it
+MARGIN = 0.05           # a codec must be this much faster than every more accurate one
 ERROR_BUDGET = {"fp16": 1e-2, "int8": 5e-2}  # relative error of a reduced bucket
 CHECK_EVERY = 100       # reductions of a compressed bucket between error checks
 TIMING_ROUNDS = 3
@@ -64,7 +65,7 @@ class AutoCompression:
         self.algorithm = algorithm
         self.exact = planner(algorithm, group)
         # in order of accuracy; the backend's all-reduce cannot sum int8 (compression.py)
-        self.codecs = ("fp16",) if algorithm == "native" else ("fp16", "int8")
+        self.codecs = ("fp16",) if _is_native(algorithm) else ("fp16", "int8")
         self.lossy = {name: _lossy_job(algorithm, group, name) for name in self.codecs}
         self.job = self.exact  # what a full-precision reduction runs (overlap.py times it)
         self.name = f"{name} with compression 'auto'"
@@ -94,17 +95,20 @@ class AutoCompression:
             probe = torch.zeros_like(buffer)
             times += interleaved([lambda job=job: sum_now(job, probe) for job in timed],
                                  TIMING_ROUNDS, self.group, probe.device)
-        agreed = torch.tensor(times, dtype=torch.float64)
+        # The slowest rank's, agreed on the group's device (NCCL takes no CPU tensor).
+        agreed = torch.tensor(times, dtype=torch.float64, device="cpu")
+        agreed = agreed.to(devices.group_device(self.group))
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         agreed = agreed.tolist()
         decisions = []
         for i, bucket in enumerate(buckets):
             seconds = dict(zip((None,) + self.codecs, agreed[i * ways:(i + 1) * ways]))
-            chosen = None
+            chosen, fastest = None, seconds[None]
             if bucket.buffer.dtype == torch.float32:
-                for name in self.codecs:
-                    if seconds[name] < seconds[chosen] * (1 - MARGIN):
+                for name in self.codecs:  # each must beat everything more accurate
+                    if seconds[name] < fastest * (1 - MARGIN):
                         chosen = name
+                    fastest = min(fastest, seconds[name])
             self.compressed[bucket.index] = chosen
             self._reductions[bucket.index] = 0
             decisions.append({"bucket": bucket.index, "bytes": bucket.nbytes, "codec": chosen,

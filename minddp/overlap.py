@@ -66,7 +66,8 @@ class Recorder:
     """When each parameter's gradient became ready in the measured backwards (this rank)."""
 
     def __init__(self, count):
-        self.ready = torch.zeros(count, dtype=torch.float64)  # summed over measured passes
+        # summed over measured passes; on the host (agree() moves it to the group's device)
+        self.ready = torch.zeros(count, dtype=torch.float64, device="cpu")
         self.passes = 0
         self._marks = None
 
@@ -154,7 +155,7 @@ class Plan:
 def agree(times, link, group, device):
     """The slowest rank's ready times and link figures: an all-reduce MAX, a
     collective on `group` (a joined rank takes part with zeros)."""
-    agreed = torch.cat([times, torch.tensor(link, dtype=torch.float64)]).to(device)
+    agreed = torch.cat([times, torch.tensor(link, dtype=torch.float64, device="cpu")]).to(device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     agreed = agreed.cpu().tolist()
     return agreed[:-len(link)], tuple(agreed[-len(link):])

@@ -136,7 +136,8 @@ class BucketState:
         return [(param, self.error[o:o + numel]) for param, o, numel in self._compressed]
 
     def random(self, *shape):
-        return torch.randn(*shape, generator=self.generator, dtype=self.q.dtype)
+        """Drawn on the host, where the generator lives; callers copy it to Q's device."""
+        return torch.randn(*shape, generator=self.generator, dtype=self.q.dtype, device="cpu")
 
 
 class PowerSGDReduction:

@@ -481,6 +481,8 @@ def test_auto_times_fewer_rounds_where_one_round_is_slow():
     assert counts[0] == counts[1], "ranks ran different numbers of rounds"
     assert auto.FEWEST_ROUNDS + 1 <= counts[0] < auto.MIN_ROUNDS
     assert run_world(_slow_link_rounds, 2, 0.0) == [auto.FEWEST_ROUNDS + 1] * 2
+    unbounded = run_world(_slow_link_rounds, 2, 1e9)  # the budget is all that cut them
+    assert unbounded[0] == unbounded[1] and unbounded[0] > auto.MIN_ROUNDS
 
 
 def _measure_through_spells(rank, world_size, spells):

@@ -40,7 +40,7 @@ def _construction_errors(rank, world_size):
         "meta": (nn.Linear(2, 2, device="meta"), {}),
         "cap": (nn.Linear(2, 2), {"bucket_cap_mb": 0}),
         "algorithm": (nn.Linear(2, 2), {"algorithm": "fastest"}),
-        "compression": (nn.Linear(2, 2), {"compression": "int8"}),
+        "compression": (nn.Linear(2, 2), {"compression": "int4"}),
         "device_ids": (nn.Linear(2, 2), {"device_ids": [0]}),
     }
     return {k: _error_of(minddp.DDP, m, **kw) for k, (m, kw) in cases.items()}
@@ -54,7 +54,7 @@ def test_construction_errors():
         "meta": ["rank 0", "meta device", "to_empty"],
         "cap": ["rank 0", "bucket_cap_mb must be a positive", "0"],
         "algorithm": ["rank 0", "unknown algorithm 'fastest'", "choose one of"],
-        "compression": ["rank 0", "unknown compression 'int8'", "choose one of"],
+        "compression": ["rank 0", "unknown compression 'int4'", "choose one of"],
         "device_ids": ["rank 0", "device_ids=[0]", "device_ids=None for CPU"],
     }
     for case, words in expect.items():

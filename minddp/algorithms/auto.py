@@ -10,7 +10,7 @@ that decides. So the first time a bucket size comes up (the wrapper announces
 its buckets at start-up) the candidates are also timed on that size:
 interleaved rounds after barriers (MIN_ROUNDS to 50, as many as fit in about
 0.4 s by the model's account, but no more than fit in SIZE_BUDGET_S by the
-warm-up round's measure), the candidates in a fresh order each round,
+first timed round's measure), the candidates in a fresh order each round,
 the slowest rank's time per round agreed across ranks. The winner is the
 candidate whose time is the lowest multiple of each round's best, in the
 median over rounds. That costs a few dozen all-reduces of each candidate once
@@ -114,12 +114,15 @@ class Chooser:
         # a call (a socket buffer still full, a cold cache), and a fixed
         # rotation would give each candidate the same predecessor every time.
         rounds = max(MIN_ROUNDS, min(50, int(0.4 / max(predicted_round, 1e-9))))
-        warm_up = self._round(scratch, names, random.Random(0).sample(names, len(names)))
-        rounds = min(rounds, self._affordable(warm_up))
+        self._round(scratch, names, random.Random(0).sample(names, len(names)))  # warms up
+        first = self._round(scratch, names, random.Random(1).sample(names, len(names)))
+        rounds = min(rounds, self._affordable(first))
         times = torch.zeros(len(names), rounds, dtype=torch.float64, device="cpu")
-        for r in range(rounds):
+        times[:, 0] = torch.tensor(first, dtype=torch.float64, device="cpu")
+        for r in range(1, rounds):
             order = random.Random(r + 1).sample(names, len(names))
-            times[:, r] = torch.tensor(self._round(scratch, names, order), dtype=torch.float64)
+            times[:, r] = torch.tensor(self._round(scratch, names, order), dtype=torch.float64,
+                                       device="cpu")
         # The slowest rank's, agreed on the group's device (the CPU on gloo: no copy).
         agreed = times.to(devices.group_device(self.group))
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
@@ -137,10 +140,10 @@ class Chooser:
             seconds[names.index(name)] = time.perf_counter() - start
         return seconds
 
-    def _affordable(self, warm_up):
-        """How many rounds fit in SIZE_BUDGET_S, judged by the warm-up round on the
+    def _affordable(self, first):
+        """How many rounds fit in SIZE_BUDGET_S, judged by the first timed round on the
         slowest rank (agreed: every rank must run as many), at least FEWEST_ROUNDS."""
-        spent = torch.tensor([sum(warm_up)], dtype=torch.float64)
+        spent = torch.tensor([sum(first)], dtype=torch.float64, device="cpu")
         spent = spent.to(devices.group_device(self.group))
         dist.all_reduce(spent, op=dist.ReduceOp.MAX, group=self.group)
         return max(FEWEST_ROUNDS, int(SIZE_BUDGET_S / max(spent.item(), 1e-9)))
