@@ -105,8 +105,10 @@ def _time_to(curve, target):
     """Wall seconds when validation loss first reached `target`, interpolated between the
     evaluations around it; None if it never did."""
     for (_, t0, l0), (_, t1, l1) in zip(curve, curve[1:]):
+        if l0 <= target:  # reached already (a target above the first evaluation's loss)
+            return t0
         if l1 <= target:
-            return t1 if l0 <= l1 else t0 + (t1 - t0) * (l0 - target) / (l0 - l1)
+            return t0 + (t1 - t0) * (l0 - target) / (l0 - l1)  # l0 > target >= l1
     return None
 
 
