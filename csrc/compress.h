@@ -3,9 +3,17 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <string>
+
 #include "scale.h"
 
 namespace minddp {
+
+// Numbers go into error messages as strings: on the GPU image (torch 2.11+cu130
+// built by another compiler than this extension's gcc 13), an integer streamed
+// into c10::str from here segfaults in std::ostream::_M_insert<long> (seen under
+// cuda-gdb), while strings stream fine. std::to_string uses no iostream locale.
+inline std::string num(int64_t n) { return std::to_string(n); }
 
 std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& src, at::ScalarType dtype);
 at::Tensor decompress_cpu(const at::Tensor& packed, const at::Tensor& scale);
@@ -42,8 +50,8 @@ inline void check_decompress_args(const char* op, const at::Tensor& dst, const a
   const int64_t scales = packed.scalar_type() == at::kChar ? int8_blocks(packed.numel()) : 1;
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == scales &&
               scale.is_contiguous(), op, ": scale must be the contiguous float32 tensor of ",
-              scales, " element(s) that minddp.compress returned with packed, got ",
-              scale.scalar_type(), " with ", scale.numel(), " elements");
+              num(scales), " element(s) that minddp.compress returned with packed, got ",
+              scale.scalar_type(), " with ", num(scale.numel()), " elements");
   TORCH_CHECK(scale.device() == packed.device(), op, ": scale is on ", scale.device(),
               " but packed is on ", packed.device(), "; move both to the same device");
   if (!dst.defined()) return;
@@ -53,8 +61,8 @@ inline void check_decompress_args(const char* op, const at::Tensor& dst, const a
               "contiguous buffer and copy back");
   TORCH_CHECK(dst.device() == packed.device(), op, ": dst is on ", dst.device(),
               " but packed is on ", packed.device(), "; move both to the same device");
-  TORCH_CHECK(dst.numel() == packed.numel(), op, ": dst has ", dst.numel(), " elements but "
-              "packed has ", packed.numel(), "; pass the chunk that was compressed");
+  TORCH_CHECK(dst.numel() == packed.numel(), op, ": dst has ", num(dst.numel()), " elements but "
+              "packed has ", num(packed.numel()), "; pass the chunk that was compressed");
 }
 
 }  // namespace minddp
