@@ -8,7 +8,7 @@ Reads, from --results (default docs/results): compare.json (compare.py) and
 <setting>/compare.json (the same elsewhere, e.g. multinode.sh over slow links),
 trace.transformer.minddp_auto.rank0.json (compare.py --timeline: that row's trace),
 <setting>/time_to_loss.json (time_to_loss.py), collectives_p*.json (collectives.py) and
-kernels.json (kernels.py --json);
+kernels*.json, <setting>/kernels*.json (kernels.py --json);
 a file that is absent leaves its section out. Every file carries the command
 that made it, the commit and the machine (benchmarks.measure.provenance), and
 the page repeats them, so every figure in the docs can be made again.
@@ -250,7 +250,8 @@ def kernels_section(path):
     meta = data["meta"]
     table = [[r["setting"], r["op"], f"{r['fused_gbs']:.1f}", f"{r['unfused_gbs']:.1f}",
               f"{r['time_ratio']:.2f}", f"{r['copy_fraction']:.2f}"] for r in data["rows"]]
-    return ["## kernels.py: compression kernels", "", _made_by(meta),
+    return [f"## kernels.py: compression kernels to {data['dtype']} on {data['where']}", "",
+            _made_by(meta),
             f"{data['mib']} MiB of float32 to {data['dtype']} on {data['where']}. GB/s counts "
             "the bytes an op must move at least; the last column is the fraction of a plain "
             "copy's bandwidth the fused kernel reaches.", "",
@@ -277,8 +278,9 @@ def render(results, img):
         lines += time_to_loss_section(path, img)
     for path in sorted(glob.glob(os.path.join(results, "collectives_p*.json"))):
         lines += collectives_section(path, img)
-    if os.path.exists(os.path.join(results, "kernels.json")):
-        lines += kernels_section(os.path.join(results, "kernels.json"))
+    for path in sorted(glob.glob(os.path.join(results, "kernels*.json")) +
+                       glob.glob(os.path.join(results, "*", "kernels*.json"))):
+        lines += kernels_section(path)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
