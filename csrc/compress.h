@@ -16,12 +16,16 @@ namespace minddp {
 inline std::string num(int64_t n) { return std::to_string(n); }
 
 std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& src, at::ScalarType dtype);
+std::tuple<at::Tensor, at::Tensor> compress_recorded_cpu(at::Tensor& src, at::ScalarType dtype,
+                                                         at::Tensor& error, bool decode);
 at::Tensor decompress_cpu(const at::Tensor& packed, const at::Tensor& scale);
 at::Tensor& decompress_out_cpu(const at::Tensor& packed, const at::Tensor& scale, at::Tensor& out);
 at::Tensor& decompress_add_cpu(at::Tensor& dst, const at::Tensor& packed, const at::Tensor& scale);
 
 #ifdef MINDDP_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> compress_cuda(const at::Tensor& src, at::ScalarType dtype);
+std::tuple<at::Tensor, at::Tensor> compress_recorded_cuda(at::Tensor& src, at::ScalarType dtype,
+                                                          at::Tensor& error, bool decode);
 at::Tensor decompress_cuda(const at::Tensor& packed, const at::Tensor& scale);
 at::Tensor& decompress_out_cuda(const at::Tensor& packed, const at::Tensor& scale, at::Tensor& out);
 at::Tensor& decompress_add_cuda(at::Tensor& dst, const at::Tensor& packed, const at::Tensor& scale);
@@ -36,6 +40,21 @@ inline void check_compress_args(const at::Tensor& src, at::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kChar,
               "minddp.compress: dtype must be torch.float16, torch.bfloat16 or torch.int8, "
               "got ", dtype);
+}
+
+// compress_recorded: int8 only (the codec that error feedback serves), and an error
+// buffer that matches src element for element.
+inline void check_recorded_args(const at::Tensor& src, at::ScalarType dtype,
+                                const at::Tensor& error) {
+  check_compress_args(src, dtype);
+  TORCH_CHECK(dtype == at::kChar, "minddp.compress_recorded: only int8 records what it loses "
+              "(fp16 and bf16 travel without error feedback), got ", dtype, "; use "
+              "minddp.compress for them");
+  TORCH_CHECK(error.scalar_type() == at::kFloat && error.is_contiguous() &&
+              error.numel() == src.numel() && error.device() == src.device(),
+              "minddp.compress_recorded: error must be a contiguous float32 tensor of src's ",
+              num(src.numel()), " elements on ", src.device(), ", got ", error.scalar_type(),
+              " with ", num(error.numel()), " elements on ", error.device());
 }
 
 // dst is undefined for decompress (it allocates its own output); for decompress.out it is `out`.

@@ -72,10 +72,24 @@ template <bool ADD> void int8_unblock(const signed char* p, int64_t n, float sca
   int8_unpack_scalar<ADD>(p, n, scale, dst);
 }
 
+void int8_record(const signed char* p, int64_t n, float scale, float* x, float* error,
+                 bool decode) {
+#ifdef MINDDP_X86_SIMD
+  if (cpu_isa() != Isa::kScalar) {
+    return decode ? int8_record_avx2<true>(p, n, scale, x, error)
+                  : int8_record_avx2<false>(p, n, scale, x, error);
+  }
+#endif
+  decode ? int8_record_scalar<true>(p, n, scale, x, error)
+         : int8_record_scalar<false>(p, n, scale, x, error);
+}
+
 // int8: one scale per kInt8Block values (scale.h), each block's maximum taken and
-// its values packed while the block is in L1.
-std::tuple<at::Tensor, at::Tensor> compress_int8(const at::Tensor& src) {
-  const float* x = src.data_ptr<float>();
+// its values packed while the block is in L1; with an `error` to record into
+// (compress_recorded), decoded against the values there too.
+std::tuple<at::Tensor, at::Tensor> compress_int8(const at::Tensor& src, float* error = nullptr,
+                                                 bool decode = false) {
+  float* x = src.data_ptr<float>();
   const int64_t n = src.numel(), blocks = int8_blocks(n);
   at::Tensor packed = at::empty(src.sizes(), src.options().dtype(at::kChar));
   at::Tensor scale = at::empty({blocks}, src.options());
@@ -83,8 +97,9 @@ std::tuple<at::Tensor, at::Tensor> compress_int8(const at::Tensor& src) {
   float* scales = scale.data_ptr<float>();
   at::parallel_for(0, blocks, kGrain / kInt8Block, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t begin = b * kInt8Block;
-      int8_block(x + begin, std::min(kInt8Block, n - begin), scales + b, out + begin);
+      const int64_t begin = b * kInt8Block, len = std::min(kInt8Block, n - begin);
+      int8_block(x + begin, len, scales + b, out + begin);
+      if (error) int8_record(out + begin, len, scales[b], x + begin, error + begin, decode);
     }
   });
   return {packed, scale};
@@ -158,6 +173,12 @@ std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& src, at::Scala
     }
   });
   return {packed, at::full({1}, scale, src.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor> compress_recorded_cpu(at::Tensor& src, at::ScalarType dtype,
+                                                         at::Tensor& error, bool decode) {
+  check_recorded_args(src, dtype, error);
+  return compress_int8(src, error.data_ptr<float>(), decode);
 }
 
 at::Tensor decompress_cpu(const at::Tensor& packed, const at::Tensor& scale) {

@@ -76,6 +76,18 @@ void int8_unpack_scalar(const signed char* p, int64_t n, float scale, float* dst
   }
 }
 
+// compress_recorded's record of one packed int8 block: error += decoded - x
+// where that is finite (+0 where x was inf or NaN), and with DECODE x = decoded.
+// The decoded values are decompress's, bit for bit.
+template <bool DECODE>
+void int8_record_scalar(const signed char* p, int64_t n, float scale, float* x, float* error) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(p[i]) / scale, d = v - x[i];
+    error[i] += std::fabs(d) <= 3.40282347e38f ? d : 0.0f;  // NaN fails the comparison
+    if (DECODE) x[i] = v;
+  }
+}
+
 #ifdef MINDDP_X86_SIMD
 #define MINDDP_AVX512 __attribute__((target("avx512f")))
 
@@ -241,6 +253,24 @@ MINDDP_AVX2 void int8_unpack_avx2(const signed char* p, int64_t n, float scale, 
     _mm256_storeu_ps(dst + i, v);
   }
   int8_unpack_scalar<ADD>(p + i, n - i, scale, dst + i);
+}
+
+template <bool DECODE>
+MINDDP_AVX2 void int8_record_avx2(const signed char* p, int64_t n, float scale, float* x,
+                                  float* error) {
+  const __m256 s = _mm256_set1_ps(scale), sign = _mm256_set1_ps(-0.0f);
+  const __m256 largest = _mm256_set1_ps(3.40282347e38f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i));
+    __m256 v = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s);
+    __m256 d = _mm256_sub_ps(v, _mm256_loadu_ps(x + i));
+    __m256 finite = _mm256_cmp_ps(_mm256_andnot_ps(sign, d), largest, _CMP_LE_OQ);
+    _mm256_storeu_ps(error + i, _mm256_add_ps(_mm256_loadu_ps(error + i),
+                                              _mm256_and_ps(d, finite)));
+    if (DECODE) _mm256_storeu_ps(x + i, v);
+  }
+  int8_record_scalar<DECODE>(p + i, n - i, scale, x + i, error + i);
 }
 #endif
 

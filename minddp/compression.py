@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from minddp import compression_reference as reference
+from minddp.algorithms import p2p
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
 
@@ -88,6 +89,12 @@ class Codec:
             return [chunk]
         return list(self._ops(chunk).compress(chunk.contiguous(), self.dtype))
 
+    def encode_recorded(self, chunk, error, decode=False):
+        """encode(chunk), adding to `error` what the encoding changes (decoded minus chunk,
+        where finite; error feedback); with `decode`, chunk becomes its decoding too.
+        int8 only: the codec error feedback serves."""
+        return list(self._ops(chunk).compress_recorded(chunk, self.dtype, error, decode))
+
     def decode_add_(self, dst, wire):
         """dst += the decoded wire, summed in dst's dtype (fp32 for compressed chunks)."""
         if len(wire) == 1:
@@ -102,19 +109,23 @@ class Codec:
 
 
 class ErrorFeedback:
-    """A summing job with error feedback, for int8: each bucket adds what its own
-    encoding lost last step before it is summed, and keeps what it loses this step.
-
-    The loss is measured on the rank's own values in chunks of `chunk` elements,
-    whose int8 blocks need not line up with those the algorithm's segments encode:
-    what is fed back is what encoding these values loses, close to but not exactly
-    what the wire lost. The rounding of partial sums at later hops is not fed back. A non-finite value clears the bucket's error (it decodes as NaN
-    this step; the error must not carry it on). Errors are kept per bucket
-    buffer, so they start afresh when the buckets change.
+    """A summing job with error feedback, for int8: every encoding of a bucket's values
+    on this rank's hops records what it changed (p2p.feeding_back: decoded minus
+    encoded, the rank's own values at the first hop, partial or finished sums at
+    later ones), and the next reduction of the same bucket first takes that record
+    away from this rank's values. Each element of each rank's values reaches the
+    sum once, so the next sum gets back exactly what this one's roundings lost, at
+    every hop, whichever rank made them. Where a value was inf or NaN (its block
+    decodes as NaN) nothing is recorded, so nothing non-finite is carried on. Records are
+    kept per bucket buffer, so they start afresh when the buckets change. The job
+    must be one of minddp's own algorithms (it records on their hops).
     """
 
-    def __init__(self, job, codec, chunk=1 << 20):
-        self.job, self.codec, self.chunk = job, codec, chunk
+    def __init__(self, job, codec):
+        if codec.dtype != torch.int8:
+            raise ValueError(f"minddp: error feedback is int8's (compress_recorded), not "
+                             f"{codec.name}'s; use Codec('int8')")
+        self.job, self.codec = job, codec
         self.errors = {}
         if getattr(job, "setup", None) is not None:
             self.setup = job.setup
@@ -123,14 +134,13 @@ class ErrorFeedback:
         key = (tensor.data_ptr(), tensor.numel())
         error = self.errors.get(key)
         if error is None:
-            error = self.errors[key] = torch.zeros_like(tensor)
-        tensor.add_(error)
-        for start in range(0, tensor.numel(), self.chunk):
-            mine, lost = tensor[start:start + self.chunk], error[start:start + self.chunk]
-            self.codec.decode_(lost, self.codec.encode(mine.contiguous()))
-            torch.sub(mine, lost, out=lost)
-        error.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        return self.job(tensor)
+            error = self.errors[key] = torch.zeros(tensor.numel(), dtype=tensor.dtype,
+                                                   device=tensor.device)
+        else:
+            tensor.view(-1).sub_(error)
+            error.zero_()
+        with p2p.feeding_back(tensor, error):
+            return self.job(tensor)
 
 
 @functools.lru_cache(maxsize=None)

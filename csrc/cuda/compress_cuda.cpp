@@ -37,6 +37,20 @@ std::tuple<at::Tensor, at::Tensor> compress_cuda(const at::Tensor& src, at::Scal
   return {packed, scale};
 }
 
+std::tuple<at::Tensor, at::Tensor> compress_recorded_cuda(at::Tensor& src, at::ScalarType dtype,
+                                                          at::Tensor& error, bool decode) {
+  check_recorded_args(src, dtype, error);
+  const c10::cuda::CUDAGuard guard(src.device());
+  at::Tensor packed = at::empty(src.sizes(), src.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({int8_blocks(src.numel())}, src.options());
+  check_launch(launch_compress_int8_recorded(src.data_ptr<float>(), src.numel(),
+                                             reinterpret_cast<signed char*>(packed.data_ptr()),
+                                             scales.data_ptr<float>(), error.data_ptr<float>(),
+                                             decode, c10::cuda::getCurrentCUDAStream()),
+               "minddp.compress_recorded");
+  return {packed, scales};
+}
+
 static void unpack(const char* op, const at::Tensor& packed, const at::Tensor& scale,
                    at::Tensor& dst, bool accumulate) {
   const c10::cuda::CUDAGuard guard(packed.device());

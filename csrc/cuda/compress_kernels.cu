@@ -104,8 +104,10 @@ __global__ void unpack_kernel(const T* p, int64_t n, bool vec, const float* scal
 // then packs them with the block's scale.
 static_assert(kInt8Block % kThreads == 0, "an int8 block must split evenly over the threads");
 
-__global__ void compress_int8_kernel(const float* x, int64_t n, int64_t blocks, float* scales,
-                                     signed char* out) {
+// With `error` (compress_recorded) each value's decoding is also taken against it,
+// as int8_record_scalar does: error += decoded - x where finite, x = decoded with `decode`.
+__global__ void compress_int8_kernel(float* x, int64_t n, int64_t blocks, float* scales,
+                                     signed char* out, float* error, bool decode) {
   constexpr int kPer = kInt8Block / kThreads;
   __shared__ float warp_max[kThreads / 32];
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
@@ -125,7 +127,15 @@ __global__ void compress_int8_kernel(const float* x, int64_t n, int64_t blocks, 
     if (threadIdx.x == 0) scales[b] = scale;
     for (int j = 0; j < kPer; ++j) {
       const int64_t k = begin + threadIdx.x + j * kThreads;
-      if (k < n) out[k] = quantize_int8(v[j], scale);
+      if (k >= n) continue;
+      const signed char q = quantize_int8(v[j], scale);
+      out[k] = q;
+      if (error != nullptr) {
+        const float decoded = __fdiv_rn(static_cast<float>(q), scale);
+        const float d = __fsub_rn(decoded, v[j]);
+        error[k] = __fadd_rn(error[k], fabsf(d) <= 3.40282347e38f ? d : 0.0f);
+        if (decode) x[k] = decoded;
+      }
     }
     __syncthreads();  // warp_max is written again for the next block
   }
@@ -187,9 +197,16 @@ cudaError_t launch_decompress(const void* packed, int64_t n, bool bf16, const fl
 
 cudaError_t launch_compress_int8(const float* src, int64_t n, signed char* packed, float* scales,
                                  cudaStream_t stream) {
+  return launch_compress_int8_recorded(const_cast<float*>(src), n, packed, scales, nullptr,
+                                       false, stream);  // src is written only with decode
+}
+
+cudaError_t launch_compress_int8_recorded(float* src, int64_t n, signed char* packed,
+                                          float* scales, float* error, bool decode,
+                                          cudaStream_t stream) {
   const int64_t blocks = int8_blocks(n);
-  compress_int8_kernel<<<grid_for(blocks * kThreads), kThreads, 0, stream>>>(src, n, blocks,
-                                                                           scales, packed);
+  compress_int8_kernel<<<grid_for(blocks * kThreads), kThreads, 0, stream>>>(
+      src, n, blocks, scales, packed, error, decode);
   return cudaGetLastError();
 }
 

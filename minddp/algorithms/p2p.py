@@ -48,6 +48,7 @@ decoded) and `wire_itemsize(dtype)` (bytes per element on the wire).
 Receive buffers take the shapes and dtypes of the codec's own encoding of a
 chunk of the same size (found once per size, then cached).
 """
+import contextlib
 import math
 import threading
 import weakref
@@ -106,7 +107,9 @@ def run(algorithm, body, tensor, group, codec=None, segment_bytes=None):
         return tensor
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     opened = lanes.is_open(group)
-    _reduce(algorithm, body, _flat(work), group, codec, segment_bytes, rank, size, backend)
+    error = _error_of(tensor) if codec is not None and work is tensor else None
+    _reduce(algorithm, body, _flat(work), group, codec, segment_bytes, rank, size, backend,
+            error)
     if work is not tensor:
         tensor.copy_(work)
     if not opened:
@@ -130,28 +133,60 @@ def _flat(tensor):
     return tensor if tensor.dim() == 1 else tensor.view(-1)
 
 
-def _reduce(algorithm, body, flat, group, codec, segment_bytes, rank, size, backend):
+@contextlib.contextmanager
+def feeding_back(tensor, error):
+    """Within it, every encoding of `tensor`'s values on this thread (this rank's hops
+    of an all-reduce of `tensor` with an int8 codec) adds to `error` what it changed:
+    the decoded values minus the values encoded, at the same elements, where finite
+    (Codec.encode_recorded). `error`: float32,
+    contiguous, as many elements as `tensor`, on its device. Error feedback
+    (compression.ErrorFeedback) takes it away from this rank's next values: since
+    every element of every rank's values ends up in the sum once, that returns to
+    the next sum exactly what each hop's rounding cost this one.
+    """
+    _local.feedback = (tensor, error)
+    try:
+        yield
+    finally:
+        _local.feedback = None
+
+
+def _error_of(tensor):
+    """The error to record into for an all-reduce of `tensor` (feeding_back), or None."""
+    feedback = getattr(_local, "feedback", None)
+    return feedback[1] if feedback is not None and feedback[0] is tensor else None
+
+
+def _reduce(algorithm, body, flat, group, codec, segment_bytes, rank, size, backend, error):
     staged = flat if flat.is_cuda and backend == "gloo" else None
+    owed = error
     if staged is not None:
         # gloo sends CPU tensors only: reduce a pinned CPU copy, then copy back.
         flat = _scratch(staged.numel(), staged.dtype, torch.device("cpu"), "stage", pinned=True)
         flat.copy_(staged)
+        if error is not None:  # the encodings happen on the copy: so does their record
+            owed = _scratch(error.numel(), error.dtype, flat.device, "stage-error", pinned=True)
+            owed.copy_(error.view(-1))
     elif backend != "gloo" and flat.device != devices.group_device(group):
         raise ValueError(f"minddp {algorithm} all-reduce (rank {rank}): the tensor is on "
                          f"{flat.device}, but a {backend} group takes tensors on "
                          f"{devices.group_device(group)} only; move it there (or call "
                          f"torch.cuda.set_device for the device this rank drives).")
     body(Link(algorithm, flat, group, codec, segment_bytes or SEGMENT_BYTES, rank, size,
-              backend))
+              backend, None if owed is None else owed.view(-1)))
     if staged is not None:
         staged.copy_(flat)
+        if error is not None:
+            error.view(-1).copy_(owed)
 
 
 class Link:
     """One all-reduce call as seen by one rank: its flat tensor, peers and codec."""
 
-    def __init__(self, algorithm, flat, group, codec, segment_bytes, rank, size, backend):
+    def __init__(self, algorithm, flat, group, codec, segment_bytes, rank, size, backend,
+                 error=None):
         self.algorithm, self.group, self.codec = algorithm, group, codec
+        self.record = error  # flat's twin, where encodings record what they change (feeding_back)
         self.reverse = lanes.reverse(group)  # carries messages to lower ranks
         # gloo's rules, or NCCL's (every other backend runs_on accepts).
         self.grouped = backend != "gloo"
@@ -178,6 +213,10 @@ class Link:
         """
         if self.codec is None or plain:
             return [view]
+        if self.record is not None and self.codec.compresses(view):
+            start = view.storage_offset() - self.flat.storage_offset()
+            return self.codec.encode_recorded(view, self.record[start:start + view.numel()],
+                                              decode=final)
         wire = self.codec.encode(view)
         if final:
             self.codec.decode_(view, wire)
