@@ -117,7 +117,7 @@ class ErrorFeedback:
     sum once, so the next sum gets back exactly what this one's roundings lost, at
     every hop, whichever rank made them. Where a value was inf or NaN (its block
     decodes as NaN) nothing is recorded, so nothing non-finite is carried on. Records are
-    kept per bucket buffer, so they start afresh when the buckets change. The job
+    kept per bucket buffer and dropped when the buckets change (setup). The job
     must be one of minddp's own algorithms (it records on their hops).
     """
 
@@ -127,8 +127,13 @@ class ErrorFeedback:
                              f"{codec.name}'s; use Codec('int8')")
         self.job, self.codec = job, codec
         self.errors = {}
-        if getattr(job, "setup", None) is not None:
-            self.setup = job.setup
+
+    def setup(self, buffers, provisional=False):
+        """New buckets: records start afresh (a new buffer may reuse an old one's memory)."""
+        self.errors.clear()
+        setup = getattr(self.job, "setup", None)
+        if setup is not None:
+            setup(buffers, provisional)
 
     def __call__(self, tensor):
         key = (tensor.data_ptr(), tensor.numel())

@@ -39,6 +39,7 @@ from minddp import devices
 from minddp.algorithms import planner, sum_now
 from minddp.algorithms.cost_model import interleaved
 from minddp.compression import ErrorFeedback, _is_native, codec_for
+from minddp.reduction import setup_job
 
 log = logging.getLogger("minddp.compression")
 
@@ -77,8 +78,12 @@ class AutoCompression:
         """Bucket 0 carries the step check only while it is summed exactly."""
         return self.compressed.get(0) is None
 
-    def setup(self, buckets):
+    def setup(self, buckets, provisional=False):
         buffers = [b.carrier if b.carrier is not None else b.buffer for b in buckets]
+        if provisional:  # a few backwards before the plan: full precision, nothing timed
+            self.compressed = {b.index: None for b in buckets}
+            setup_job(self.engine, self.exact, buffers, provisional=True)
+            return
         self.engine.run(self._decide, buckets, buffers, label="setup")
 
     def _decide(self, buckets, buffers):

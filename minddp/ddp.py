@@ -31,7 +31,7 @@ from minddp.compression_auto import AutoCompression
 from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_model
 from minddp.reducer import Phase, Reducer
 from minddp.powersgd import PowerSGD, PowerSGDReduction
-from minddp.reduction import AlgorithmReduction, HookReduction
+from minddp.reduction import AlgorithmReduction, HookReduction, setup_job
 from minddp.timeline import from_environment
 
 COMPRESSIONS = (None, "fp16", "bf16", "int8", "powersgd", "auto")  # or a PowerSGD(...)
@@ -131,7 +131,8 @@ class DistributedDataParallel(nn.Module):
         with _current(self.device):
             self._join_peers(named, settings, rank, init_sync, sync_buffers_at_init)
             self._build_reducer(named, static_graph)
-            self.reducer.reduction.setup(self.reducer.buckets)
+            self.reducer.reduction.setup(self.reducer.buckets,
+                                         provisional=self.reducer.planner is not None)
         if static_graph:
             self._set_static_graph()
 
@@ -208,7 +209,8 @@ class DistributedDataParallel(nn.Module):
                                                             group=engine.group)
         link = overlap.measure_link(lambda t: engine.run(job, t, label="link"),
                                     lambda t: engine.submit(job, t, label="link"),
-                                    engine.side_group, self.device, self.reducer.params[0].dtype)
+                                    engine.side_group, self.device, self.reducer.params[0].dtype,
+                                    lambda probes: setup_job(engine, job, probes, True))
         plan = overlap.plan(self.reducer.params, *overlap.agree(
             ready_times, link, engine.side_group, engine.device))
         buckets = bucketing.allocate(self.reducer.params, plan.buckets, stamp=True)
@@ -372,7 +374,8 @@ class DistributedDataParallel(nn.Module):
         with _current(self.device):
             self.engine = comm.engine_for(self.process_group, self._timeout, self.device)
             self._build_reducer(self._trainable(self.module), static_graph)
-            self.reducer.reduction.setup(self.reducer.buckets)
+            self.reducer.reduction.setup(self.reducer.buckets,
+                                         provisional=self.reducer.planner is not None)
         if static_graph:
             self._set_static_graph()
 

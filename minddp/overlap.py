@@ -92,11 +92,12 @@ class Recorder:
         return self.ready / max(1, self.passes)
 
 
-def measure_link(reduce, submit, group, device, dtype=torch.float32):
+def measure_link(reduce, submit, group, device, dtype=torch.float32, announce=None):
     """(alpha, beta, slowdown) of one whole bucket reduction as the wrapper runs it.
 
     `reduce(tensor)` reduces and waits, `submit(tensor)` starts one and returns
-    its Future. alpha and beta (microseconds, and per byte): a line through the
+    its Future; `announce(tensors)`, if given, is told the tensors first (auto
+    then picks for their sizes without timing them: they are probes). alpha and beta (microseconds, and per byte): a line through the
     time of LINK_BYTES sizes, each the lower quartile of a few runs after a
     barrier (cost_model.interleaved). slowdown: how much of a reduction's time
     the computation running beside it loses (0: none, the link is waiting on the
@@ -105,6 +106,8 @@ def measure_link(reduce, submit, group, device, dtype=torch.float32):
     """
     small, large = (torch.zeros(n * 8 // torch.finfo(dtype).bits, dtype=dtype, device=device)
                     for n in LINK_BYTES)
+    if announce is not None:
+        announce([small, large])
     seconds = interleaved([lambda: reduce(small), lambda: reduce(large)], LINK_REPEATS,
                           group, device)
     alpha, beta = fit([small.nbytes, large.nbytes], seconds)

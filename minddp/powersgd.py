@@ -30,6 +30,7 @@ import dataclasses
 import torch
 
 from minddp.algorithms import sum_now
+from minddp.reduction import setup_job
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +153,7 @@ class PowerSGDReduction:
         self.name = f"{name} with PowerSGD (rank {settings.rank})"  # for error messages
         self.states = {}
 
-    def setup(self, buckets):
+    def setup(self, buckets, provisional=False):
         old = self.states
         self.states = {b.index: BucketState(b, self.settings) for b in buckets}
         if old:  # new buckets (bucket_cap_mb="auto"): keep the step count and the error
@@ -161,9 +162,7 @@ class PowerSGDReduction:
         buffers = [b.buffer for b in buckets]
         for s in self.states.values():
             buffers += [t for t in (s.p, s.q, s.rest) if t.numel()]
-        setup = getattr(self.job, "setup", None)
-        if setup is not None:
-            self.engine.run(setup, buffers, label="setup")
+        setup_job(self.engine, self.job, buffers, provisional)
 
     def launch(self, bucket):
         buffer = bucket.buffer()

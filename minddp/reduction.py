@@ -12,9 +12,14 @@ PowerSGD through `powersgd.PowerSGDReduction`.
                                (torch's built-in reduction does, and sums);
                                False: the bucket holds plain sums and the
                                reduction averages (torch's comm-hook contract)
-    reduction.setup(buckets)   once, on every rank together, before the first
+    reduction.setup(buckets, provisional=False)
+                               once, on every rank together, before the first
                                backward, with the buckets in launch order (auto
-                               times its candidates on the sizes it will sum)
+                               times its candidates on the sizes it will sum),
+                               and again when the buckets change. provisional:
+                               the buckets serve only the few backwards before
+                               bucket_cap_mb="auto"'s plan, so nothing is timed
+                               on the link for them
     reduction.launch(bucket)   start reducing a GradBucket; returns a Future
                                whose value is the averaged flat bucket (the
                                buffer itself or a tensor of its size) on the
@@ -23,6 +28,14 @@ PowerSGD through `powersgd.PowerSGDReduction`.
                                the bucket, exactly (reducer.py, the step check)
 """
 import torch
+
+
+def setup_job(engine, job, buffers, provisional=False):
+    """Run `job.setup(buffers, provisional)` (algorithms.planner), where the job has one,
+    on the engine, so it keeps its place among other wrappers' traffic."""
+    setup = getattr(job, "setup", None)
+    if setup is not None:
+        engine.run(setup, buffers, provisional, label="setup")
 
 
 class AlgorithmReduction:
@@ -36,12 +49,9 @@ class AlgorithmReduction:
         self.name = name  # for error messages: "algorithm 'ring'"
         self.carries_stamp = exact  # not with a lossy codec
 
-    def setup(self, buckets):
+    def setup(self, buckets, provisional=False):
         buffers = [b.carrier if b.carrier is not None else b.buffer for b in buckets]
-        setup = getattr(self.job, "setup", None)
-        if setup is not None:
-            # On the engine, so it keeps its place among other wrappers' traffic.
-            self.engine.run(setup, buffers, label="setup")
+        setup_job(self.engine, self.job, buffers, provisional)
 
     def launch(self, bucket):
         tensor = bucket._to_sum()  # the step check's slots too, where bucket 0 has them
@@ -59,7 +69,7 @@ class HookReduction:
     def __init__(self, state, hook):
         self.state, self.hook = state, hook
 
-    def setup(self, buckets):
+    def setup(self, buckets, provisional=False):
         pass
 
     def launch(self, bucket):

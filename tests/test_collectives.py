@@ -461,6 +461,26 @@ def test_auto_times_the_candidates_in_a_fresh_order_each_round():
     assert all(len(b) > 1 for b in before.values()), before
 
 
+def _provisional_sizes(rank, world_size):
+    costs = cost_model.Costs(alpha=1e-4, hop=1e-6, beta=1e-9, gamma=1e-10,
+                             native_alpha=1e-4, native_beta=1e-9)
+    chooser = auto.Chooser(dist.group.WORLD, costs=costs)
+    timed = []
+    chooser._run = lambda name, tensor: timed.append(tensor.numel())
+    probe, kept = torch.ones(1024), torch.ones(4096)
+    chooser.tune([probe, kept], timed=False)  # the buckets before bucket_cap_mb="auto"'s plan
+    before = list(timed)
+    in_use = chooser.pick(probe)  # launched before the plan: the model's pick, not timed
+    chooser.tune([kept])  # the planned buckets: timed now
+    return before, in_use, sorted(set(timed)), chooser.pick(kept) in chooser.names
+
+
+def test_auto_times_only_the_sizes_it_keeps():
+    for before, in_use, timed, picked in run_world(_provisional_sizes, 2):
+        assert before == [] and in_use is not None
+        assert timed == [4096] and picked
+
+
 def _slow_link_rounds(rank, world_size, budget):
     import time
     costs = cost_model.Costs(alpha=1e-4, hop=1e-6, beta=1e-9, gamma=1e-10,

@@ -57,9 +57,10 @@ def runner(name, group, codec=None):
 def planner(algorithm, group, codec=None):
     """The wrapper's per-bucket job: `job(bucket) -> bucket or Future of it`, a sum over `group`.
 
-    `job.setup(buffers)`, where present ("auto"), decides for each buffer's
-    size now: a collective (every rank, same buffers, same point of its
-    program), which times the candidates once per size, group and codec.
+    `job.setup(buffers, provisional=False)`, where present ("auto"), decides
+    for each buffer's size now: a collective (every rank, same buffers, same
+    point of its program), which times the candidates once per size, group and
+    codec; provisional=True (sizes in use only briefly) asks the model alone.
     """
     resolve(algorithm)
     if algorithm != "auto":
@@ -76,7 +77,7 @@ def planner(algorithm, group, codec=None):
     def job(bucket):
         return runs[chooser().pick(bucket)](bucket)
 
-    job.setup = lambda buffers: chooser().tune(buffers)
+    job.setup = lambda buffers, provisional=False: chooser().tune(buffers, not provisional)
     return job
 
 

@@ -64,13 +64,20 @@ class Chooser:
         alone = self.p == 1 or len(self.names) == 1  # nothing to measure
         self.costs = costs if costs is not None or alone else _costs_of(group)
         self._picked = {}
+        self._predicted_only = set()  # sizes picked by the model alone: tune() times them
 
-    def tune(self, tensors):
-        """Decide now for each tensor's size (a collective: every rank, same tensors)."""
+    def tune(self, tensors, timed=True):
+        """Decide now for each tensor's size (a collective: every rank, same tensors).
+
+        timed=False picks by the model alone, for sizes in use only briefly (the
+        buckets before bucket_cap_mb="auto"'s plan); a later tune() times them."""
         for tensor in tensors:
-            self.pick(tensor)
+            if timed and tensor.nbytes in self._predicted_only:
+                self._predicted_only.discard(tensor.nbytes)
+                del self._picked[tensor.nbytes]
+            self.pick(tensor, timed)
 
-    def pick(self, tensor):
+    def pick(self, tensor, timed=True):
         """The algorithm for `tensor`'s size, decided once, the first time it comes up."""
         # Later calls cost one lookup: an all-reduce of a few bytes is all
         # per-call overhead, a fraction of a millisecond, so every microsecond
@@ -83,19 +90,21 @@ class Chooser:
             self._picked[nbytes] = self.names[0]
             return self.names[0]
         predicted = {n: cost_model.predict(n, nbytes, self.p, self.costs) for n in self.names}
-        if self.timed and nbytes > 0:
+        if timed and self.timed and nbytes > 0:
             # Not worth timing: a candidate predicted to take over 3x the best
             # and over 5 ms (the tree on large buckets): the model's errors are
             # tens of percent, not 3x, and each round would cost the most.
             best = min(predicted.values())
-            timed = [n for n in self.names if predicted[n] <= max(3 * best, 5e-3)]
-            times = self._time(tensor.numel(), tensor.dtype, tensor.device, timed,
-                               sum(predicted[n] for n in timed))
-            measured = {n: times[i].median().item() for i, n in enumerate(timed)}
-            self._picked[nbytes] = _fastest(times, timed)
+            candidates = [n for n in self.names if predicted[n] <= max(3 * best, 5e-3)]
+            times = self._time(tensor.numel(), tensor.dtype, tensor.device, candidates,
+                               sum(predicted[n] for n in candidates))
+            measured = {n: times[i].median().item() for i, n in enumerate(candidates)}
+            self._picked[nbytes] = _fastest(times, candidates)
         else:
             measured = {}
             self._picked[nbytes] = min(self.names, key=predicted.__getitem__)
+            if self.timed and not timed:
+                self._predicted_only.add(nbytes)
         log.debug("minddp auto on %d ranks: %d-byte bucket -> %s (predicted %s%s)",
                   self.p, nbytes, self._picked[nbytes],
                   ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in predicted.items()),
