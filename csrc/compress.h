@@ -16,7 +16,7 @@ namespace minddp {
 inline std::string num(int64_t n) { return std::to_string(n); }
 
 std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& src, at::ScalarType dtype);
-std::tuple<at::Tensor, at::Tensor> compress_recorded_cpu(at::Tensor& src, at::ScalarType dtype,
+std::tuple<at::Tensor, at::Tensor> compress_with_feedback_cpu(at::Tensor& src, at::ScalarType dtype,
                                                          at::Tensor& error, bool decode);
 at::Tensor decompress_cpu(const at::Tensor& packed, const at::Tensor& scale);
 at::Tensor& decompress_out_cpu(const at::Tensor& packed, const at::Tensor& scale, at::Tensor& out);
@@ -24,7 +24,7 @@ at::Tensor& decompress_add_cpu(at::Tensor& dst, const at::Tensor& packed, const 
 
 #ifdef MINDDP_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> compress_cuda(const at::Tensor& src, at::ScalarType dtype);
-std::tuple<at::Tensor, at::Tensor> compress_recorded_cuda(at::Tensor& src, at::ScalarType dtype,
+std::tuple<at::Tensor, at::Tensor> compress_with_feedback_cuda(at::Tensor& src, at::ScalarType dtype,
                                                           at::Tensor& error, bool decode);
 at::Tensor decompress_cuda(const at::Tensor& packed, const at::Tensor& scale);
 at::Tensor& decompress_out_cuda(const at::Tensor& packed, const at::Tensor& scale, at::Tensor& out);
@@ -42,17 +42,17 @@ inline void check_compress_args(const at::Tensor& src, at::ScalarType dtype) {
               "got ", dtype);
 }
 
-// compress_recorded: int8 only (the codec that error feedback serves), and an error
+// compress_with_feedback: int8 only (the codec that error feedback serves), and an error
 // buffer that matches src element for element.
-inline void check_recorded_args(const at::Tensor& src, at::ScalarType dtype,
+inline void check_feedback_args(const at::Tensor& src, at::ScalarType dtype,
                                 const at::Tensor& error) {
   check_compress_args(src, dtype);
-  TORCH_CHECK(dtype == at::kChar, "minddp.compress_recorded: only int8 records what it loses "
-              "(fp16 and bf16 travel without error feedback), got ", dtype, "; use "
+  TORCH_CHECK(dtype == at::kChar, "minddp.compress_with_feedback: only int8 has error "
+              "feedback (fp16 and bf16 travel without it), got ", dtype, "; use "
               "minddp.compress for them");
   TORCH_CHECK(error.scalar_type() == at::kFloat && error.is_contiguous() &&
               error.numel() == src.numel() && error.device() == src.device(),
-              "minddp.compress_recorded: error must be a contiguous float32 tensor of src's ",
+              "minddp.compress_with_feedback: error must be a contiguous float32 tensor of src's ",
               num(src.numel()), " elements on ", src.device(), ", got ", error.scalar_type(),
               " with ", num(error.numel()), " elements on ", error.device());
 }

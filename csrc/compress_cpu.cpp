@@ -72,21 +72,22 @@ template <bool ADD> void int8_unblock(const signed char* p, int64_t n, float sca
   int8_unpack_scalar<ADD>(p, n, scale, dst);
 }
 
-void int8_record(const signed char* p, int64_t n, float scale, float* x, float* error,
-                 bool decode) {
+void int8_record(const signed char* p, int64_t n, float scale, const float* fed, float* error,
+                 float* decoded) {
 #ifdef MINDDP_X86_SIMD
   if (cpu_isa() != Isa::kScalar) {
-    return decode ? int8_record_avx2<true>(p, n, scale, x, error)
-                  : int8_record_avx2<false>(p, n, scale, x, error);
+    return decoded ? int8_record_avx2<true>(p, n, scale, fed, error, decoded)
+                   : int8_record_avx2<false>(p, n, scale, fed, error, decoded);
   }
 #endif
-  decode ? int8_record_scalar<true>(p, n, scale, x, error)
-         : int8_record_scalar<false>(p, n, scale, x, error);
+  decoded ? int8_record_scalar<true>(p, n, scale, fed, error, decoded)
+          : int8_record_scalar<false>(p, n, scale, fed, error, decoded);
 }
 
 // int8: one scale per kInt8Block values (scale.h), each block's maximum taken and
-// its values packed while the block is in L1; with an `error` to record into
-// (compress_recorded), decoded against the values there too.
+// its values packed while the block is in L1. With error feedback
+// (compress_with_feedback) the block packed is the values minus their error, and
+// the error becomes what packing it changed, in the same visit.
 std::tuple<at::Tensor, at::Tensor> compress_int8(const at::Tensor& src, float* error = nullptr,
                                                  bool decode = false) {
   float* x = src.data_ptr<float>();
@@ -96,10 +97,16 @@ std::tuple<at::Tensor, at::Tensor> compress_int8(const at::Tensor& src, float* e
   auto* out = reinterpret_cast<signed char*>(packed.data_ptr());
   float* scales = scale.data_ptr<float>();
   at::parallel_for(0, blocks, kGrain / kInt8Block, [&](int64_t b0, int64_t b1) {
+    float fed[kInt8Block];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t begin = b * kInt8Block, len = std::min(kInt8Block, n - begin);
-      int8_block(x + begin, len, scales + b, out + begin);
-      if (error) int8_record(out + begin, len, scales[b], x + begin, error + begin, decode);
+      if (error == nullptr) {
+        int8_block(x + begin, len, scales + b, out + begin);
+        continue;
+      }
+      for (int64_t i = 0; i < len; ++i) fed[i] = x[begin + i] - error[begin + i];
+      int8_block(fed, len, scales + b, out + begin);
+      int8_record(out + begin, len, scales[b], fed, error + begin, decode ? x + begin : nullptr);
     }
   });
   return {packed, scale};
@@ -175,9 +182,9 @@ std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& src, at::Scala
   return {packed, at::full({1}, scale, src.options())};
 }
 
-std::tuple<at::Tensor, at::Tensor> compress_recorded_cpu(at::Tensor& src, at::ScalarType dtype,
+std::tuple<at::Tensor, at::Tensor> compress_with_feedback_cpu(at::Tensor& src, at::ScalarType dtype,
                                                          at::Tensor& error, bool decode) {
-  check_recorded_args(src, dtype, error);
+  check_feedback_args(src, dtype, error);
   return compress_int8(src, error.data_ptr<float>(), decode);
 }
 

@@ -76,15 +76,17 @@ void int8_unpack_scalar(const signed char* p, int64_t n, float scale, float* dst
   }
 }
 
-// compress_recorded's record of one packed int8 block: error += decoded - x
-// where that is finite (+0 where x was inf or NaN), and with DECODE x = decoded.
-// The decoded values are decompress's, bit for bit.
+// compress_with_feedback's record of one int8 block packed from `fed` (the values
+// minus their error): error = decoded - fed where that is finite (0 where a value
+// was inf or NaN), and with DECODE out = decoded. The decoded values are
+// decompress's, bit for bit.
 template <bool DECODE>
-void int8_record_scalar(const signed char* p, int64_t n, float scale, float* x, float* error) {
+void int8_record_scalar(const signed char* p, int64_t n, float scale, const float* fed,
+                        float* error, float* out) {
   for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(p[i]) / scale, d = v - x[i];
-    error[i] += std::fabs(d) <= 3.40282347e38f ? d : 0.0f;  // NaN fails the comparison
-    if (DECODE) x[i] = v;
+    const float v = static_cast<float>(p[i]) / scale, d = v - fed[i];
+    error[i] = std::fabs(d) <= 3.40282347e38f ? d : 0.0f;  // NaN fails the comparison
+    if (DECODE) out[i] = v;
   }
 }
 
@@ -256,21 +258,20 @@ MINDDP_AVX2 void int8_unpack_avx2(const signed char* p, int64_t n, float scale, 
 }
 
 template <bool DECODE>
-MINDDP_AVX2 void int8_record_avx2(const signed char* p, int64_t n, float scale, float* x,
-                                  float* error) {
+MINDDP_AVX2 void int8_record_avx2(const signed char* p, int64_t n, float scale,
+                                  const float* fed, float* error, float* out) {
   const __m256 s = _mm256_set1_ps(scale), sign = _mm256_set1_ps(-0.0f);
   const __m256 largest = _mm256_set1_ps(3.40282347e38f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i));
     __m256 v = _mm256_div_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s);
-    __m256 d = _mm256_sub_ps(v, _mm256_loadu_ps(x + i));
+    __m256 d = _mm256_sub_ps(v, _mm256_loadu_ps(fed + i));
     __m256 finite = _mm256_cmp_ps(_mm256_andnot_ps(sign, d), largest, _CMP_LE_OQ);
-    _mm256_storeu_ps(error + i, _mm256_add_ps(_mm256_loadu_ps(error + i),
-                                              _mm256_and_ps(d, finite)));
-    if (DECODE) _mm256_storeu_ps(x + i, v);
+    _mm256_storeu_ps(error + i, _mm256_and_ps(d, finite));
+    if (DECODE) _mm256_storeu_ps(out + i, v);
   }
-  int8_record_scalar<DECODE>(p + i, n - i, scale, x + i, error + i);
+  int8_record_scalar<DECODE>(p + i, n - i, scale, fed + i, error + i, out + i);
 }
 #endif
 

@@ -23,9 +23,9 @@ extern "C" PyObject* PyInit__C(void) {
 
 TORCH_LIBRARY(minddp, m) {
   m.def("compress(Tensor src, ScalarType dtype) -> (Tensor packed, Tensor scale)");
-  // compress (int8), adding to `error` what it changes (error feedback); with decode,
-  // src becomes its own decoding (a finished value leaving its owner).
-  m.def("compress_recorded(Tensor(a!) src, ScalarType dtype, Tensor(b!) error, bool decode) "
+  // int8 with error feedback: compress src - error, then error = what that changed;
+  // with decode, src becomes the decoding (a finished value leaving its owner).
+  m.def("compress_with_feedback(Tensor(a!) src, ScalarType dtype, Tensor(b!) error, bool decode) "
         "-> (Tensor packed, Tensor scale)");
   m.def("decompress(Tensor packed, Tensor scale) -> Tensor");
   // decode into an existing buffer (a bucket's slice): no temporary, no zeroing.
@@ -35,7 +35,7 @@ TORCH_LIBRARY(minddp, m) {
 
 TORCH_LIBRARY_IMPL(minddp, CPU, m) {
   m.impl("compress", &minddp::compress_cpu);
-  m.impl("compress_recorded", &minddp::compress_recorded_cpu);
+  m.impl("compress_with_feedback", &minddp::compress_with_feedback_cpu);
   m.impl("decompress", &minddp::decompress_cpu);
   m.impl("decompress.out", &minddp::decompress_out_cpu);
   m.impl("decompress_add_", &minddp::decompress_add_cpu);
@@ -44,7 +44,7 @@ TORCH_LIBRARY_IMPL(minddp, CPU, m) {
 #ifdef MINDDP_WITH_CUDA
 TORCH_LIBRARY_IMPL(minddp, CUDA, m) {
   m.impl("compress", &minddp::compress_cuda);
-  m.impl("compress_recorded", &minddp::compress_recorded_cuda);
+  m.impl("compress_with_feedback", &minddp::compress_with_feedback_cuda);
   m.impl("decompress", &minddp::decompress_cuda);
   m.impl("decompress.out", &minddp::decompress_out_cuda);
   m.impl("decompress_add_", &minddp::decompress_add_cuda);

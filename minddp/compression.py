@@ -89,11 +89,11 @@ class Codec:
             return [chunk]
         return list(self._ops(chunk).compress(chunk.contiguous(), self.dtype))
 
-    def encode_recorded(self, chunk, error, decode=False):
-        """encode(chunk), adding to `error` what the encoding changes (decoded minus chunk,
-        where finite; error feedback); with `decode`, chunk becomes its decoding too.
-        int8 only: the codec error feedback serves."""
-        return list(self._ops(chunk).compress_recorded(chunk, self.dtype, error, decode))
+    def encode_with_feedback(self, chunk, error, decode=False):
+        """encode(chunk - error), then error = what that encoding changed (decoded minus
+        encoded, where finite): error feedback, int8 only. With `decode`, chunk becomes
+        the decoding too."""
+        return list(self._ops(chunk).compress_with_feedback(chunk, self.dtype, error, decode))
 
     def decode_add_(self, dst, wire):
         """dst += the decoded wire, summed in dst's dtype (fp32 for compressed chunks)."""
@@ -109,21 +109,23 @@ class Codec:
 
 
 class ErrorFeedback:
-    """A summing job with error feedback, for int8: every encoding of a bucket's values
-    on this rank's hops records what it changed (p2p.feeding_back: decoded minus
-    encoded, the rank's own values at the first hop, partial or finished sums at
-    later ones), and the next reduction of the same bucket first takes that record
-    away from this rank's values. Each element of each rank's values reaches the
-    sum once, so the next sum gets back exactly what this one's roundings lost, at
-    every hop, whichever rank made them. Where a value was inf or NaN (its block
-    decodes as NaN) nothing is recorded, so nothing non-finite is carried on. Records are
-    kept per bucket buffer and dropped when the buckets change (setup). The job
-    must be one of minddp's own algorithms (it records on their hops).
+    """A summing job with error feedback, for int8. Each bucket keeps a record, one
+    value per element, of what this rank's last encoding of that element changed
+    (decoded minus encoded). Every encoding on this rank's hops (p2p.feeding_back)
+    first takes the record away from what it encodes, whether that is the rank's
+    own values, a partial sum or the finished sum, then records what it changes
+    now. Each rank encodes each element once per sum, and whatever it encodes
+    reaches the sum, so every sum returns exactly what the last one's roundings
+    cost, at every hop and on every algorithm. Where a value was inf or NaN (its
+    block decodes as NaN) the record is 0, so nothing non-finite is carried on.
+    Records are kept per bucket buffer and dropped when the buckets change
+    (setup). The job must be one of minddp's own algorithms (it records on their
+    hops).
     """
 
     def __init__(self, job, codec):
         if codec.dtype != torch.int8:
-            raise ValueError(f"minddp: error feedback is int8's (compress_recorded), not "
+            raise ValueError(f"minddp: error feedback is int8's (compress_with_feedback), not "
                              f"{codec.name}'s; use Codec('int8')")
         self.job, self.codec = job, codec
         self.errors = {}
@@ -136,14 +138,13 @@ class ErrorFeedback:
             setup(buffers, provisional)
 
     def __call__(self, tensor):
+        if not self.codec.compresses(tensor):
+            return self.job(tensor)
         key = (tensor.data_ptr(), tensor.numel())
         error = self.errors.get(key)
         if error is None:
             error = self.errors[key] = torch.zeros(tensor.numel(), dtype=tensor.dtype,
                                                    device=tensor.device)
-        else:
-            tensor.view(-1).sub_(error)
-            error.zero_()
         with p2p.feeding_back(tensor, error):
             return self.job(tensor)
 

@@ -7,8 +7,8 @@ tested against these functions, bit for bit apart from NaN payloads.
     decompress(packed, scale)                       # packed / scale, float32
     decompress.out(packed, scale, out=dst)          # dst = packed / scale, in place
     decompress_add_(dst, packed, scale)             # dst += packed / scale, in place
-    compress_recorded(src, torch.int8, error, decode)  # compress, and error += what it
-                                                    # changed (error feedback); int8 only
+    compress_with_feedback(src, torch.int8, error, decode)  # compress(src - error), then
+                                                    # error = what that changed; int8 only
 
 The scale is a power of two (so applying and removing it is exact) chosen from
 the largest finite magnitude m: m * scale lands in [2^14, 2^15), below fp16's
@@ -106,19 +106,21 @@ def decompress_add_(dst, packed, scale):
     return dst.add_(decompress(packed, scale).view_as(dst))
 
 
-def compress_recorded(src, dtype, error, decode):
-    """compress(src, int8), adding to `error` what the encoding changes: decompressed minus
-    src where that is finite, +0 where src is inf or NaN. With `decode`, src also becomes
-    its decompressed values (a finished sum leaving its owner takes its receivers' bits).
-    `error`: contiguous float32, src's element count, on its device."""
+def compress_with_feedback(src, dtype, error, decode):
+    """int8 with error feedback: compress(src - error), then `error` becomes what that
+    encoding changed, decompressed minus (src - error), where finite (0 where a value
+    is inf or NaN). With `decode`, src also becomes the decompressed values (a
+    finished sum leaving its owner takes its receivers' bits). `error`: contiguous
+    float32, src's element count, on its device."""
     if dtype != torch.int8:
-        raise RuntimeError(f"minddp.compress_recorded: only int8 records what it loses (fp16 "
-                           f"and bf16 travel without error feedback), got {dtype}; use "
-                           f"minddp.compress for them")
-    packed, scale = compress(src, dtype)
+        raise RuntimeError(f"minddp.compress_with_feedback: only int8 has error feedback (fp16 "
+                           f"and bf16 travel without it), got {dtype}; use minddp.compress for "
+                           f"them")
+    fed = src - error.view_as(src)
+    packed, scale = compress(fed, dtype)
     decoded = decompress(packed, scale)
-    change = decoded - src
-    error.add_(torch.where(torch.isfinite(change), change, torch.zeros_like(change)).view_as(error))
+    change = decoded - fed
+    error.copy_(torch.where(torch.isfinite(change), change, torch.zeros_like(change)).view_as(error))
     if decode:
         src.copy_(decoded)
     return packed, scale

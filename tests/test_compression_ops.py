@@ -146,36 +146,37 @@ def test_kernels_match_reference_bitwise(ops, device, name, dtype, offset):
     torch.testing.assert_close(dst, expected, **exact)
 
 
-@pytest.mark.parametrize("decode", [False, True], ids=["record", "record-decode"])
+@pytest.mark.parametrize("decode", [False, True], ids=["feedback", "feedback-decode"])
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("ops,device", IMPLEMENTATIONS)
-def test_compress_recorded_adds_what_the_encoding_changed(ops, device, name, decode):
+def test_compress_with_feedback_feeds_back_then_records(ops, device, name, decode):
     src = CASES[name].to(device).flatten()
-    error = torch.randn(src.shape, generator=torch.Generator().manual_seed(2)).to(device)
+    error = torch.randn(src.shape, generator=torch.Generator().manual_seed(2)).to(device) * 1e-3
     values, before = src.clone(), error.clone()
-    packed, scale = ops.compress_recorded(values, torch.int8, error, decode)
+    packed, scale = ops.compress_with_feedback(values, torch.int8, error, decode)
     exact = dict(rtol=0, atol=0, equal_nan=True)
-    want_packed, want_scale = ops.compress(src, torch.int8)  # the same wire as compress
+    fed = src - before  # what is encoded: the values minus last time's error
+    want_packed, want_scale = ops.compress(fed, torch.int8)
     torch.testing.assert_close(packed, want_packed, **exact)
     torch.testing.assert_close(scale, want_scale, **exact)
     decoded = ops.decompress(packed, scale)
-    change = decoded - src
+    change = decoded - fed
     recorded = torch.where(torch.isfinite(change), change, torch.zeros_like(change))
-    torch.testing.assert_close(error, before + recorded, **exact)  # inf/NaN: nothing recorded
+    torch.testing.assert_close(error, recorded, **exact)  # inf/NaN: 0, nothing carried on
     torch.testing.assert_close(values, decoded if decode else src, **exact)
 
 
-@pytest.mark.parametrize("decode", [False, True], ids=["record", "record-decode"])
+@pytest.mark.parametrize("decode", [False, True], ids=["feedback", "feedback-decode"])
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("ops,device", IMPLEMENTATIONS[1:])
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset-view"])
-def test_compress_recorded_matches_reference_bitwise(ops, device, name, decode, offset):
+def test_compress_with_feedback_matches_reference_bitwise(ops, device, name, decode, offset):
     src = CASES[name].to(device).flatten()[offset:]
-    error = torch.randn(src.shape, generator=torch.Generator().manual_seed(2)).to(device)
+    error = torch.randn(src.shape, generator=torch.Generator().manual_seed(2)).to(device) * 1e-3
     mine, theirs = (src.clone(), error.clone()), (src.clone(), error.clone())
-    got = ops.compress_recorded(*mine[:1], torch.int8, mine[1], decode)
-    want = reference.compress_recorded(*theirs[:1], torch.int8, theirs[1], decode)
-    for a, b in zip((*got, *mine), (*want, *theirs)):
+    got = ops.compress_with_feedback(mine[0], torch.int8, mine[1], decode)
+    want = reference.compress_with_feedback(theirs[0], torch.int8, theirs[1], decode)
+    for a, b in zip((*got, *mine), (*want, *theirs)):  # packed, scale, values, error
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
@@ -227,11 +228,11 @@ def test_bad_arguments_are_rejected_with_the_fix(device):
     with pytest.raises(RuntimeError, match="pass the chunk that was compressed"):
         torch.ops.minddp.decompress.out(packed, scale, out=x[:4])
     error = torch.zeros(48, device=device)
-    with pytest.raises(RuntimeError, match="only int8 records.*minddp.compress"):
-        torch.ops.minddp.compress_recorded(x, torch.float16, error, False)
+    with pytest.raises(RuntimeError, match="only int8 has error feedback.*minddp.compress"):
+        torch.ops.minddp.compress_with_feedback(x, torch.float16, error, False)
     with pytest.raises(RuntimeError, match=r"error must be .* of src's 48 elements.*got Float "
                                            r"with 47"):
-        torch.ops.minddp.compress_recorded(x, torch.int8, error[:47], False)
+        torch.ops.minddp.compress_with_feedback(x, torch.int8, error[:47], False)
 
 
 @needs_cuda_kernels
@@ -247,6 +248,6 @@ def test_cuda_ops_never_synchronise_with_the_host():
                 torch.ops.minddp.decompress_add_(view, packed, scale)
                 torch.ops.minddp.decompress(packed, scale)
                 torch.ops.minddp.decompress.out(packed, scale, out=view)
-            torch.ops.minddp.compress_recorded(view, torch.int8, torch.zeros_like(view), True)
+            torch.ops.minddp.compress_with_feedback(view, torch.int8, torch.zeros_like(view), True)
     finally:
         torch.cuda.set_sync_debug_mode(0)

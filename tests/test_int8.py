@@ -112,3 +112,23 @@ def test_error_feedback_drops_a_non_finite_record():
     # the next step's values are finite, and what the NaN block recorded is not carried on
     assert second.isfinite().all()
     assert (second - (x0 + x1)).abs().max() < 0.1
+
+
+def _half_encoded(rank, world_size):
+    """An algorithm that encodes only half of the tensor: error feedback must refuse it."""
+    from minddp.algorithms import p2p
+
+    def body(link):
+        peer = 1 - link.rank
+        link.exchange([(peer, link.flat[:2048])], [(peer, link.flat[2048:])], "add", 7)
+
+    tensor = torch.ones(4096)
+    with p2p.feeding_back(tensor, torch.zeros(4096)):
+        with pytest.raises(RuntimeError) as e:
+            p2p.run("half", body, tensor, None, compression.Codec("int8"))
+    return str(e.value)
+
+
+def test_error_feedback_refuses_an_algorithm_that_skips_elements():
+    for message in run_world(_half_encoded, 2):
+        assert "minddp half all-reduce" in message and "exactly once" in message, message

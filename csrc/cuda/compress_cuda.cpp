@@ -37,17 +37,17 @@ std::tuple<at::Tensor, at::Tensor> compress_cuda(const at::Tensor& src, at::Scal
   return {packed, scale};
 }
 
-std::tuple<at::Tensor, at::Tensor> compress_recorded_cuda(at::Tensor& src, at::ScalarType dtype,
+std::tuple<at::Tensor, at::Tensor> compress_with_feedback_cuda(at::Tensor& src, at::ScalarType dtype,
                                                           at::Tensor& error, bool decode) {
-  check_recorded_args(src, dtype, error);
+  check_feedback_args(src, dtype, error);
   const c10::cuda::CUDAGuard guard(src.device());
   at::Tensor packed = at::empty(src.sizes(), src.options().dtype(at::kChar));
   at::Tensor scales = at::empty({int8_blocks(src.numel())}, src.options());
-  check_launch(launch_compress_int8_recorded(src.data_ptr<float>(), src.numel(),
+  check_launch(launch_compress_int8_with_feedback(src.data_ptr<float>(), src.numel(),
                                              reinterpret_cast<signed char*>(packed.data_ptr()),
                                              scales.data_ptr<float>(), error.data_ptr<float>(),
                                              decode, c10::cuda::getCurrentCUDAStream()),
-               "minddp.compress_recorded");
+               "minddp.compress_with_feedback");
   return {packed, scales};
 }
 

@@ -104,8 +104,9 @@ __global__ void unpack_kernel(const T* p, int64_t n, bool vec, const float* scal
 // then packs them with the block's scale.
 static_assert(kInt8Block % kThreads == 0, "an int8 block must split evenly over the threads");
 
-// With `error` (compress_recorded) each value's decoding is also taken against it,
-// as int8_record_scalar does: error += decoded - x where finite, x = decoded with `decode`.
+// With `error` (compress_with_feedback) the values packed are x - error, and error
+// becomes decoded - (x - error) where finite, 0 elsewhere (int8_record_scalar);
+// with `decode`, x = decoded as well.
 __global__ void compress_int8_kernel(float* x, int64_t n, int64_t blocks, float* scales,
                                      signed char* out, float* error, bool decode) {
   constexpr int kPer = kInt8Block / kThreads;
@@ -116,7 +117,7 @@ __global__ void compress_int8_kernel(float* x, int64_t n, int64_t blocks, float*
     float m = 0.0f;
     for (int j = 0; j < kPer; ++j) {  // coalesced: thread t reads begin + t + j * kThreads
       const int64_t k = begin + threadIdx.x + j * kThreads;
-      v[j] = k < n ? x[k] : 0.0f;
+      v[j] = k < n ? (error != nullptr ? __fsub_rn(x[k], error[k]) : x[k]) : 0.0f;
       m = fmaxf(m, int8_amax_of(v[j]));
     }
     for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
@@ -133,7 +134,7 @@ __global__ void compress_int8_kernel(float* x, int64_t n, int64_t blocks, float*
       if (error != nullptr) {
         const float decoded = __fdiv_rn(static_cast<float>(q), scale);
         const float d = __fsub_rn(decoded, v[j]);
-        error[k] = __fadd_rn(error[k], fabsf(d) <= 3.40282347e38f ? d : 0.0f);
+        error[k] = fabsf(d) <= 3.40282347e38f ? d : 0.0f;
         if (decode) x[k] = decoded;
       }
     }
@@ -197,11 +198,11 @@ cudaError_t launch_decompress(const void* packed, int64_t n, bool bf16, const fl
 
 cudaError_t launch_compress_int8(const float* src, int64_t n, signed char* packed, float* scales,
                                  cudaStream_t stream) {
-  return launch_compress_int8_recorded(const_cast<float*>(src), n, packed, scales, nullptr,
+  return launch_compress_int8_with_feedback(const_cast<float*>(src), n, packed, scales, nullptr,
                                        false, stream);  // src is written only with decode
 }
 
-cudaError_t launch_compress_int8_recorded(float* src, int64_t n, signed char* packed,
+cudaError_t launch_compress_int8_with_feedback(float* src, int64_t n, signed char* packed,
                                           float* scales, float* error, bool decode,
                                           cudaStream_t stream) {
   const int64_t blocks = int8_blocks(n);

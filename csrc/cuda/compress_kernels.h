@@ -23,9 +23,10 @@ cudaError_t launch_decompress(const void* packed, int64_t n, bool bf16, const fl
 // dst += it.
 cudaError_t launch_compress_int8(const float* src, int64_t n, signed char* packed, float* scales,
                                  cudaStream_t stream);
-// The same, also adding to error[n] what it changes: error += decoded - src where
-// finite (+0 where src is inf or NaN); with decode, src = decoded as well.
-cudaError_t launch_compress_int8_recorded(float* src, int64_t n, signed char* packed,
+// The same with error feedback: packs src - error, then error[n] = decoded minus
+// what was packed where finite (0 where it was inf or NaN); with decode, src =
+// decoded as well.
+cudaError_t launch_compress_int8_with_feedback(float* src, int64_t n, signed char* packed,
                                           float* scales, float* error, bool decode,
                                           cudaStream_t stream);
 cudaError_t launch_decompress_int8(const signed char* packed, int64_t n, const float* scales,

@@ -135,14 +135,13 @@ def _flat(tensor):
 
 @contextlib.contextmanager
 def feeding_back(tensor, error):
-    """Within it, every encoding of `tensor`'s values on this thread (this rank's hops
-    of an all-reduce of `tensor` with an int8 codec) adds to `error` what it changed:
-    the decoded values minus the values encoded, at the same elements, where finite
-    (Codec.encode_recorded). `error`: float32,
-    contiguous, as many elements as `tensor`, on its device. Error feedback
-    (compression.ErrorFeedback) takes it away from this rank's next values: since
-    every element of every rank's values ends up in the sum once, that returns to
-    the next sum exactly what each hop's rounding cost this one.
+    """Within it, every encoding of `tensor`'s elements on this thread (this rank's
+    hops of an all-reduce of `tensor` with an int8 codec) is error feedback
+    (Codec.encode_with_feedback): it encodes the values minus `error` at those
+    elements, then sets `error` there to what it changed (decoded minus encoded).
+    `error`: float32, contiguous, as many elements as `tensor`, on its device. The
+    algorithm must encode each element exactly once on this rank (all of minddp's
+    do); the sum checks that it did.
     """
     _local.feedback = (tensor, error)
     try:
@@ -152,7 +151,7 @@ def feeding_back(tensor, error):
 
 
 def _error_of(tensor):
-    """The error to record into for an all-reduce of `tensor` (feeding_back), or None."""
+    """The error feedback record for an all-reduce of `tensor` (feeding_back), or None."""
     feedback = getattr(_local, "feedback", None)
     return feedback[1] if feedback is not None and feedback[0] is tensor else None
 
@@ -172,12 +171,28 @@ def _reduce(algorithm, body, flat, group, codec, segment_bytes, rank, size, back
                          f"{flat.device}, but a {backend} group takes tensors on "
                          f"{devices.group_device(group)} only; move it there (or call "
                          f"torch.cuda.set_device for the device this rank drives).")
-    body(Link(algorithm, flat, group, codec, segment_bytes or SEGMENT_BYTES, rank, size,
-              backend, None if owed is None else owed.view(-1)))
+    link = Link(algorithm, flat, group, codec, segment_bytes or SEGMENT_BYTES, rank, size,
+                backend, None if owed is None else owed.view(-1))
+    body(link)
+    if owed is not None:
+        _check_fed_back_once(link)
     if staged is not None:
         staged.copy_(flat)
         if error is not None:
             error.view(-1).copy_(owed)
+
+
+def _check_fed_back_once(link):
+    """Error feedback is exact only if this rank encoded every element once (feeding_back)."""
+    covered = 0  # the stretches, in order, must tile [0, numel): no gap, no overlap
+    for start, end in sorted(link.fed_back):
+        covered = end if start == covered else -1
+    if covered != link.numel:
+        raise RuntimeError(
+            f"minddp {link.algorithm} all-reduce (rank {link.rank}): error feedback needs each "
+            f"element encoded exactly once by each rank, but this rank's encodings covered "
+            f"{sorted(link.fed_back)[:8]} of {link.numel} elements; the algorithm must encode "
+            f"every element it sends or finishes once per sum.")
 
 
 class Link:
@@ -186,7 +201,8 @@ class Link:
     def __init__(self, algorithm, flat, group, codec, segment_bytes, rank, size, backend,
                  error=None):
         self.algorithm, self.group, self.codec = algorithm, group, codec
-        self.record = error  # flat's twin, where encodings record what they change (feeding_back)
+        self.record = error  # flat's error feedback record (feeding_back)
+        self.fed_back = []  # (start, end) of each stretch encoded with it
         self.reverse = lanes.reverse(group)  # carries messages to lower ranks
         # gloo's rules, or NCCL's (every other backend runs_on accepts).
         self.grouped = backend != "gloo"
@@ -215,8 +231,9 @@ class Link:
             return [view]
         if self.record is not None and self.codec.compresses(view):
             start = view.storage_offset() - self.flat.storage_offset()
-            return self.codec.encode_recorded(view, self.record[start:start + view.numel()],
-                                              decode=final)
+            end = start + view.numel()
+            self.fed_back.append((start, end))
+            return self.codec.encode_with_feedback(view, self.record[start:end], decode=final)
         wire = self.codec.encode(view)
         if final:
             self.codec.decode_(view, wire)
