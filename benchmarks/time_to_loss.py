@@ -42,8 +42,8 @@ VALIDATION = {"charlm": charlm.validation, "charmlp": charlm.mlp_validation}
 # The default target: torch DDP's final validation loss, plus this much. A configuration that
 # trains as well as torch DDP reaches it just before the end; one that trains worse may not.
 TARGET_SLACK = 0.01
-DEFAULT_CONFIGS = ("torch_ddp,torch_ddp_fp16,minddp_auto@auto,minddp_auto_int8@auto,"
-                   "minddp_compression_auto@auto,minddp_auto_powersgd@auto")
+DEFAULT_CONFIGS = ("torch_ddp,torch_ddp_fp16,minddp_auto@auto,minddp_ring_int8@auto,"
+                   "minddp_auto_int8@auto,minddp_compression_auto@auto,minddp_auto_powersgd@auto")
 COLUMNS = [("name", "config", "{}"), ("final_loss", "final loss", "{:.4f}"),
            ("loss_vs_torch", "loss / torch", "{:.4f}"),
            ("time_to_target_s", "to target s", "{:.1f}"),
