@@ -142,7 +142,7 @@ def summarise(config, steps, comm, samples, device):
     mine = steps[config.name]
     row = {"step_ms": median(mine), "samples_per_s": samples / median(mine) * 1e3,
            "steps_ms": mine,
-           "bytes_sent_mb": None if config.bytes_sent is None else config.bytes_sent / 2**20}
+           "bytes_sent_mb": config.sent_mb()}
     if "torch_ddp" in steps:
         row["ratio_to_torch_ddp"] = pairwise_ratio(mine, steps["torch_ddp"])
         row["ratio_to_torch_ddp_ci"] = pairwise_ratio_interval(mine, steps["torch_ddp"])

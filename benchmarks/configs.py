@@ -80,7 +80,13 @@ class Config:
     optimizer: Optional[torch.optim.Optimizer] = None
     communicate: Optional[Callable[[], None]] = None  # the step's bucket reductions alone
     bytes_sent: Optional[float] = 0.0                  # per rank per step (estimate)
+    sent_now: Optional[Callable[[], float]] = None     # bytes_sent, asked at the end of a run
     absent: Optional[str] = None                       # why this build cannot run it
+
+    def sent_mb(self):
+        """MiB sent per rank per step (an estimate), None where not known."""
+        sent = self.sent_now() if self.sent_now is not None else self.bytes_sent
+        return None if sent is None else sent / 2**20
 
 
 def bytes_sent_per_rank(bucket_bytes, world_size, wire_ratio=1.0):
@@ -191,10 +197,10 @@ def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False,
             if isinstance(compression, minddp.PowerSGD):
                 # Reducing outside a step would move PowerSGD's state (error, Q): no comm ms.
                 config.bytes_sent = _powersgd_bytes(config.model, world)
-            elif compression == "auto":  # as each bucket decided at start-up
+            elif compression == "auto":
                 config.communicate = _minddp_communicate(config.model)
-                reducer = config.model.reducer
-                config.bytes_sent = bytes_sent_per_rank(
+                # as each bucket decided, which with bucket_cap_mb="auto" is at the plan
+                config.sent_now = lambda reducer=config.model.reducer: bytes_sent_per_rank(
                     [b.nbytes * WIRE_RATIO[reducer.reduction.compressed[b.index]]
                      for b in reducer.buckets], world)
             else:

@@ -194,8 +194,7 @@ def summarise(configs, times, curves, target, world_size):
                "final_loss": final,
                "time_to_target_s": reached, "step_ms": median(times[config.name]),
                "wall_s": sum(times[config.name]) / 1e3,
-               "bytes_sent_mb": (None if config.bytes_sent is None
-                                 else config.bytes_sent / 2**20), "world_size": world_size}
+               "bytes_sent_mb": config.sent_mb(), "world_size": world_size}
         if baseline:
             row["loss_vs_torch"] = final / baseline[-1][2]
             if reached is not None and torch_time:
