@@ -18,8 +18,17 @@ The runs under 1 are counted too: runs are independent of one another, so
 that count is a sign test that needs no assumption about steps (all of 5 runs
 on one side of 1 happens by chance 1 time in 16 when neither side is faster).
 
+Where every run has a no_comm row, exposed communication is pooled the same
+way: a step's exposed time is its time minus no_comm's at the same index of the
+same run, the pooled figure the median over every run's steps, and it is
+divided by the baseline's pooled exposed time. Time on a simulated link is set
+by the link more than by the CPU, so exposed milliseconds of different runs are
+comparable even when the machine's speed is not; each run's own quotient is
+shown next to the pooled one.
+
 Prints, per workload and configuration: each run's ratio, the pooled ratio, its
-interval, how many runs are under 1 and the number of steps pooled.
+interval, how many runs are under 1, the number of steps pooled and, with
+no_comm, the exposed quotients.
 """
 import argparse
 import json
@@ -27,11 +36,21 @@ import json
 from benchmarks.measure import (format_interval, format_table, interval_or_none, median,
                                 step_ratios)
 
-def columns(baseline):
-    return [("workload", "workload", "{}"), ("name", "config", "{}"),
-            ("runs", "each run", "{}"), ("ratio", f"pooled vs {baseline}", "{:.3f}"),
-            ("interval", "pooled 95%", "{}"), ("under_1", "runs under 1", "{}"),
-            ("steps", "steps", "{}")]
+def columns(baseline, exposed):
+    shown = [("workload", "workload", "{}"), ("name", "config", "{}"),
+             ("runs", "each run", "{}"), ("ratio", f"pooled vs {baseline}", "{:.3f}"),
+             ("interval", "pooled 95%", "{}"), ("under_1", "runs under 1", "{}"),
+             ("steps", "steps", "{}")]
+    if exposed:
+        shown += [("exposed_ms", "exposed ms", "{:.1f}"),
+                  ("exposed_runs", f"exposed / {baseline}'s, each run", "{}"),
+                  ("exposed_ratio", "pooled", "{:.2f}")]
+    return shown
+
+
+def exposed_steps(steps, workload, name):
+    """Per-step exposed ms (step - no_comm of the same index) of one run's row."""
+    return [x - y for x, y in zip(steps[workload, name], steps[workload, "no_comm"])]
 
 
 def steps_by_row(rows):
@@ -56,12 +75,24 @@ def pool(runs, baseline="torch_ddp"):
             each.append(step_ratios(steps[workload, name], steps[workload, baseline]))
         ratios = [x for run in each for x in run]
         medians = [median(run) for run in each]
-        pooled.append({"workload": workload, "name": name,
-                       "runs": " ".join(f"{m:.3f}" for m in medians),
-                       "under_1": f"{sum(m < 1 for m in medians)} of {len(medians)}",
-                       "ratio": median(ratios), "interval": interval_or_none(ratios),
-                       "steps": len(ratios)})
+        row = {"workload": workload, "name": name,
+               "runs": " ".join(f"{m:.3f}" for m in medians),
+               "under_1": f"{sum(m < 1 for m in medians)} of {len(medians)}",
+               "ratio": median(ratios), "interval": interval_or_none(ratios),
+               "steps": len(ratios)}
+        if "no_comm" not in (name, baseline) and all((workload, "no_comm") in s for _, s in indexed):
+            row.update(_exposed(indexed, workload, name, baseline))
+        pooled.append(row)
     return pooled
+
+
+def _exposed(indexed, workload, name, baseline):
+    mine = [exposed_steps(s, workload, name) for _, s in indexed]
+    theirs = [exposed_steps(s, workload, baseline) for _, s in indexed]
+    each = [median(m) / median(t) for m, t in zip(mine, theirs)]
+    exposed = median([x for run in mine for x in run])
+    return {"exposed_ms": exposed, "exposed_runs": " ".join(f"{q:.2f}" for q in each),
+            "exposed_ratio": exposed / median([x for run in theirs for x in run])}
 
 
 def main(argv=None):
@@ -77,7 +108,7 @@ def main(argv=None):
     rows = pool(runs, args.baseline)
     # Three digits: pooling is for ratios too close to 1 for a single run.
     shown = [dict(r, interval=format_interval(r["interval"], digits=3)) for r in rows]
-    print(format_table(shown, columns(args.baseline)))
+    print(format_table(shown, columns(args.baseline, any("exposed_ms" in r for r in rows))))
     return rows
 
 

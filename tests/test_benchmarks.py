@@ -188,6 +188,24 @@ def test_pool_pairs_steps_within_each_run(tmp_path):
     assert abs(rows["torch_ddp"]["ratio"] - 1 / 0.9) < 1e-12
 
 
+def test_pool_exposed_communication_is_step_minus_no_comm_of_the_same_run(tmp_path):
+    from benchmarks import pool
+    # Run b's CPU is twice as slow (no_comm 200 ms, not 100) but the link is the
+    # same: torch leaves 100 ms exposed in both, the planned row 40 in a and 60 in b.
+    a = _compare_json(tmp_path / "a.json", {"no_comm": [100.0] * 3, "torch_ddp": [200.0] * 3,
+                                            "minddp_auto@auto": [140.0] * 3})
+    b = _compare_json(tmp_path / "b.json", {"no_comm": [200.0] * 2, "torch_ddp": [300.0] * 2,
+                                            "minddp_auto@auto": [260.0] * 2})
+    rows = {r["name"]: r for r in pool.main([a, b])}
+    planned = rows["minddp_auto@auto"]
+    assert planned["exposed_runs"] == "0.40 0.60"
+    assert planned["exposed_ms"] == 40.0 and planned["exposed_ratio"] == 0.4  # 3 of 5 steps
+    assert "exposed_ms" not in rows["no_comm"]
+    # Without no_comm in every run there is nothing to subtract: no exposed columns.
+    c = _compare_json(tmp_path / "c.json", {"torch_ddp": [200.0], "minddp_auto@auto": [150.0]})
+    assert "exposed_ms" not in pool.main([a, c])[0]
+
+
 def test_pool_refuses_a_run_without_torch_ddp(tmp_path):
     import pytest
 
