@@ -28,12 +28,25 @@ class Bucket:
     buffer: torch.Tensor  # flat, 1-D, dtype and device of its parameters
     carrier: Optional[torch.Tensor] = None  # buffer + STAMP trailing slots (see build)
 
-    def view(self, i, flat=None):
-        """Parameter i's slice of the buffer (or of `flat`, a tensor of the buffer's
-        size holding a reduced result), shaped like the parameter."""
-        p = self.params[i]
-        source = self.buffer if flat is None else flat
-        return source[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+    def __post_init__(self):
+        # Made once, as torch's bucket views are: slicing anew in every
+        # gradient hook costs more than the copy into the slot on a small layer.
+        self.views = self._slices(self.buffer)
+
+    def view(self, i):
+        """Parameter i's slice of the buffer, shaped like the parameter."""
+        return self.views[i]
+
+    def views_of(self, flat):
+        """Every parameter's slice of `flat` (a tensor of the buffer's size holding a
+        reduced result), shaped like the parameters: the buffer's own views when
+        `flat` is the buffer."""
+        if flat.data_ptr() == self.buffer.data_ptr():
+            return self.views
+        return self._slices(flat)
+
+    def _slices(self, flat):
+        return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
     @property
     def nbytes(self):

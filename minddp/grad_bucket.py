@@ -25,7 +25,7 @@ class GradBucket:
 
     def gradients(self):
         """Per-parameter views into the buffer, shaped like the parameters."""
-        return [self._bucket.view(i) for i in range(len(self._bucket.params))]
+        return list(self._bucket.views)
 
     def parameters(self):
         return list(self._bucket.params)

@@ -280,10 +280,11 @@ class Reducer:
             result = self._collect(b)
             if b == 0:
                 self._step_agreed()  # before any .grad is written
+            views = bucket.views_of(result)
             for slot, index in enumerate(bucket.indices):
                 if used is not None and not used(index):
                     continue  # no rank used it: leave .grad as it was, as torch does
-                self._write_grad(bucket, slot, result)
+                self._write_grad(bucket.params[slot], views[slot])
         if self._used_future is not None:
             self._used_map()  # its reduction must not outlive the iteration
         if self.find_unused:
@@ -337,8 +338,7 @@ class Reducer:
             result = bucket.buffer
         return result
 
-    def _write_grad(self, bucket, slot, result):
-        param, view = bucket.params[slot], bucket.view(slot, result)
+    def _write_grad(self, param, view):
         grad = param.grad
         if self.as_view:
             if grad is None or not _aliases(grad, view):
