@@ -5,6 +5,9 @@
 - `MLP`: 8 x Linear(1024), little compute per byte of gradient, so it is the
   communication-heavy case.
 - `ConvNet`: a small CNN with BatchNorm (buffers to broadcast).
+- `narrow`: the same MLP 32 layers deep and 64 wide: 64 small parameters and
+  almost no compute, so a step is mostly what the wrapper costs per parameter
+  (what a GPU step of a few milliseconds sees of it), best with one rank.
 - `charlm` and `charmlp` (charlm.py): next-byte prediction on the standard
   library's sources, a loss that means something (time_to_loss.py); a
   transformer (compute-heavy) and an MLP (communication-heavy).
@@ -126,6 +129,11 @@ def _mlp_batch(rank, step, batch_size):
     return (torch.randn(batch_size, 1024, generator=g),), torch.randn(batch_size, 1024, generator=g)
 
 
+def _narrow_batch(rank, step, batch_size):
+    g = _generator(rank, step)
+    return (torch.randn(batch_size, 64, generator=g),), torch.randn(batch_size, 64, generator=g)
+
+
 def _image_batch(rank, step, batch_size):
     g = _generator(rank, step)
     return ((torch.randn(batch_size, 3, 32, 32, generator=g),),
@@ -136,6 +144,7 @@ WORKLOADS = {
     "transformer": Workload("transformer", SimpleTransformer, _text_batch, lm_loss, 8),
     "mlp": Workload("mlp", MLP, _mlp_batch, F.mse_loss, 32),
     "convnet": Workload("convnet", ConvNet, _image_batch, F.cross_entropy, 32),
+    "narrow": Workload("narrow", lambda: MLP(width=64, depth=32), _narrow_batch, F.mse_loss, 8),
     "charlm": Workload("charlm", charlm.CharLM, charlm.batch, charlm.loss, 16),
     "charmlp": Workload("charmlp", charlm.CharMLP, charlm.mlp_batch, charlm.loss, 128),
 }
