@@ -129,8 +129,13 @@ def format_interval(bounds, digits=2):
     return None if bounds is None else f"{bounds[0]:.{digits}f}-{bounds[1]:.{digits}f}"
 
 
+def step_differences(a, b):
+    """a[i] - b[i] for each step: pairs timed side by side."""
+    return [x - y for x, y in zip(a, b)]
+
+
 def pairwise_difference(a, b):
-    return median([x - y for x, y in zip(a, b)])
+    return median(step_differences(a, b))
 
 
 def slowest_rank(times):

@@ -34,7 +34,7 @@ import argparse
 import json
 
 from benchmarks.measure import (format_interval, format_table, interval_or_none, median,
-                                step_ratios)
+                                step_differences, step_ratios)
 
 def columns(baseline, exposed):
     shown = [("workload", "workload", "{}"), ("name", "config", "{}"),
@@ -50,7 +50,7 @@ def columns(baseline, exposed):
 
 def exposed_steps(steps, workload, name):
     """Per-step exposed ms (step - no_comm of the same index) of one run's row."""
-    return [x - y for x, y in zip(steps[workload, name], steps[workload, "no_comm"])]
+    return step_differences(steps[workload, name], steps[workload, "no_comm"])
 
 
 def steps_by_row(rows):
@@ -80,7 +80,8 @@ def pool(runs, baseline="torch_ddp"):
                "under_1": f"{sum(m < 1 for m in medians)} of {len(medians)}",
                "ratio": median(ratios), "interval": interval_or_none(ratios),
                "steps": len(ratios)}
-        if "no_comm" not in (name, baseline) and all((workload, "no_comm") in s for _, s in indexed):
+        with_no_comm = all((workload, "no_comm") in s for _, s in indexed)
+        if with_no_comm and "no_comm" not in (name, baseline):
             row.update(_exposed(indexed, workload, name, baseline))
         pooled.append(row)
     return pooled
