@@ -1,6 +1,6 @@
 # make test   set up .venv (first time) and run the test suite
 # make bench  set up .venv (first time) and run the side-by-side benchmark
-# make docs   regenerate docs/results.md and README's results table from docs/results/
+# make docs   regenerate docs/results.md and the tables of README and docs/performance.md
 # make results  rerun the benchmarks behind docs/results.md (about 5 minutes on 2 cores)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python

@@ -1,8 +1,8 @@
-"""Writes docs/results.md, its pictures and README.md's results table from the result
-files the benchmarks wrote.
+"""Writes docs/results.md, its pictures, README.md's results table and the tables of
+docs/performance.md from the result files the benchmarks wrote.
 
     python benchmarks/report.py                 # = make docs
-    python benchmarks/report.py --check         # fail if either page is out of date
+    python benchmarks/report.py --check         # fail if a page is out of date
 
 Reads, from --results (default docs/results): compare.json (compare.py) and
 <setting>/compare.json (the same elsewhere, e.g. multinode.sh over slow links),
@@ -27,6 +27,7 @@ from benchmarks.time_to_loss import startup_seconds
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRACE = "trace.transformer.minddp_auto.rank0.json"  # the step the docs show
 README = os.path.join(REPO, "README.md")
+PERFORMANCE = os.path.join(REPO, "docs", "performance.md")
 
 
 def _load(path):
@@ -149,28 +150,27 @@ def readme_time_to_loss(paths):
         "final validation loss relative to torch DDP's (over 1: trained worse). Target: "
         f"{_target_rule(meta)}. Each row is one run of "
         "time_to_loss.py, every configuration interleaved step by step; commands, commits and "
-        "curves in [docs/results.md](docs/results.md).", "",
+        "curves in [results.md](results.md).", "",
         _table(["run", "model", "torch_ddp s", *names], table)])
 
 
-# README blocks drawn from runs over a simulated link: block -> (file(s) in docs/results, table)
-README_SLOW_LINK = {"slow-link": ("compression-1gbit-2ranks/compare.json", readme_table),
-                    "bucket-plan": ("cap-1gbit-2ranks/compare.json", readme_rows),
-                    "time-to-loss": ("ttl-*/time_to_loss.json", readme_time_to_loss)}
+# Generated blocks: block -> (file(s) in docs/results, table). "results" is README's; the
+# others, from runs over a simulated link, are docs/performance.md's.
+BLOCKS = {"results": ("compare.json", lambda path: readme_table(path, "docs/img/compare.png")),
+          "slow-link": ("compression-1gbit-2ranks/compare.json", readme_table),
+          "bucket-plan": ("cap-1gbit-2ranks/compare.json", readme_rows),
+          "time-to-loss": ("ttl-*/time_to_loss.json", readme_time_to_loss)}
 
 
-def readme_blocks(readme, results):
-    """README with its generated blocks rewritten from the result files that exist."""
-    compare = os.path.join(results, "compare.json")
-    if os.path.exists(compare):
-        readme = with_readme_block(readme, "results",
-                                   readme_table(compare, "docs/img/compare.png"))
-    for block, (pattern, table) in README_SLOW_LINK.items():
+def readme_blocks(page, results):
+    """A page (README, docs/performance.md) with the generated blocks it holds rewritten
+    from the result files that exist."""
+    for block, (pattern, table) in BLOCKS.items():
         paths = sorted(glob.glob(os.path.join(results, pattern)))
-        if paths and f"<!-- {block}:begin" in readme:
-            readme = with_readme_block(readme, block, table(*paths) if "*" not in pattern
-                                       else table(paths))
-    return readme
+        if paths and f"<!-- {block}:begin" in page:
+            page = with_readme_block(page, block, table(*paths) if "*" not in pattern
+                                     else table(paths))
+    return page
 
 
 def timeline_section(path, img):
@@ -288,31 +288,33 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--results", default=os.path.join(REPO, "docs", "results"))
     p.add_argument("--out", default=os.path.join(REPO, "docs", "results.md"))
-    p.add_argument("--readme", default=README, help="the page whose results block to update")
+    p.add_argument("--pages", nargs="+", default=[README, PERFORMANCE],
+                   help="the pages whose generated blocks to update")
     p.add_argument("--check", action="store_true",
-                   help="compare with the existing page instead of writing it (pictures are "
+                   help="compare with the existing pages instead of writing them (pictures are "
                         "drawn into a scratch folder)")
     args = p.parse_args(argv)
-    with open(args.readme) as f:
-        readme = f.read()
-    new_readme = readme_blocks(readme, args.results)
+    pages = {}
+    for page in args.pages:
+        with open(page) as f:
+            old = f.read()
+        pages[page] = (old, readme_blocks(old, args.results))
     if args.check:
         import tempfile
         with tempfile.TemporaryDirectory() as scratch:
             text = render(args.results, scratch)
         with open(args.out) as f:
-            stale = [path for path, old, new in ((args.out, f.read(), text),
-                                                 (args.readme, readme, new_readme)) if old != new]
+            pages[args.out] = (f.read(), text)
+        stale = [page for page, (old, new) in pages.items() if old != new]
         if stale:
             sys.exit(f"{', '.join(stale)}: out of date with {args.results}; run `make docs`")
-        print(f"{args.out} and {args.readme} are up to date")
+        print(f"{', '.join(pages)}: up to date")
         return
-    text = render(args.results, os.path.join(os.path.dirname(args.out), "img"))
-    with open(args.out, "w") as f:
-        f.write(text)
-    with open(args.readme, "w") as f:
-        f.write(new_readme)
-    print(f"wrote {args.out} and the results table in {args.readme}")
+    pages[args.out] = (None, render(args.results, os.path.join(os.path.dirname(args.out), "img")))
+    for page, (_, text) in pages.items():
+        with open(page, "w") as f:
+            f.write(text)
+    print(f"wrote {', '.join(pages)}")
 
 
 if __name__ == "__main__":

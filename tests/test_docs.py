@@ -103,9 +103,10 @@ def test_paths_and_links_exist():
 
 
 def test_generated_results_are_current():
-    """docs/results.md and README's table match the committed result files (make docs)."""
+    """docs/results.md, README's table and docs/performance.md's tables match the committed
+    result files (make docs)."""
     out = subprocess.run([sys.executable, "benchmarks/report.py", "--check"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    for page in ("README.md", "docs/results.md"):
+    for page in ("README.md", "docs/results.md", "docs/performance.md"):
         assert "torch_ddp" in _text(page), f"{page} shows no results table"
