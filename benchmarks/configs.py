@@ -17,7 +17,8 @@ import minddp
 from minddp import buckets
 from minddp.grad_bucket import GradBucket
 
-# name -> how to build it: ("bare",), ("torch", hook) or ("minddp", algorithm, compression)
+# name -> how to build it: ("bare",), ("torch", hook) or ("minddp", algorithm, compression),
+# the last optionally followed by more keywords for minddp.DDP
 CONFIGS = {
     "no_comm": ("bare",),
     "torch_ddp": ("torch", None),
@@ -44,6 +45,10 @@ CONFIGS.update({
     "minddp_compression_auto": ("minddp", "auto", "auto"),
     "minddp_ring_int8": ("minddp", "ring", "int8"),
     "minddp_auto_int8": ("minddp", "auto", "int8"),
+    # what the replica check costs: minddp_native checks at the default interval
+    # (minddp/replicas.py), these every synced step and never
+    "minddp_native_replicas": ("minddp", "native", None, {"check_replicas": 1}),
+    "minddp_native_noreplicas": ("minddp", "native", None, {"check_replicas": 0}),
 })
 
 
@@ -183,13 +188,13 @@ def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False,
                 config.communicate = _torch_communicate(sizes, device, how[0])
                 config.bytes_sent = bytes_sent_per_rank(sizes, world, 0.5 if how[0] else 1.0)
         else:
-            algorithm, compression = how
+            algorithm, compression, *more = how
             try:
                 trace = f"{timeline}.{workload.name}.{name}" if timeline else None
                 config.model = minddp.DDP(model, device_ids=device_ids, bucket_cap_mb=cap,
                                           gradient_as_bucket_view=as_view,
                                           algorithm=algorithm, compression=compression,
-                                          timeline=trace)
+                                          timeline=trace, **(more[0] if more else {}))
             except NotImplementedError:
                 config.absent = f"{algorithm}/{compression or 'fp32'}: not implemented"
                 configs.append(config)

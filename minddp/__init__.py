@@ -2,11 +2,13 @@
 
     ddp = minddp.DistributedDataParallel(model)   # or minddp.DDP
     loss = ddp(batch).sum(); loss.backward()      # .grad is the mean over ranks
+    minddp.replace_torch_ddp()                    # frameworks building torch's DDP get minddp's
 """
 from minddp import algorithms
 from minddp import compression as _compression
 from minddp.ddp import DistributedDataParallel
 from minddp.powersgd import PowerSGD
+from minddp.swap import replace_torch_ddp
 
 DDP = DistributedDataParallel
 
@@ -23,4 +25,4 @@ def all_reduce(tensor, algorithm="ring", group=None, compression=None):
         return algorithms.all_reduce(tensor, algorithm, group)
     return _compression.all_reduce(tensor, algorithm, group, compression)
 
-__all__ = ["DDP", "DistributedDataParallel", "PowerSGD", "all_reduce"]
+__all__ = ["DDP", "DistributedDataParallel", "PowerSGD", "all_reduce", "replace_torch_ddp"]

@@ -8,6 +8,19 @@ so communication starts early; the others at `bucket_cap_mb`. A list of caps
 (torch's `bucket_cap_mb_list`) gives bucket k the k-th cap and every later
 bucket the last one. A bucket never mixes dtypes or devices, because it is
 one flat tensor.
+
+A parameter that expects a sparse gradient (torch's rule: its module is an
+nn.Embedding or nn.EmbeddingBag with sparse=True) gets a bucket of its own,
+as in torch: sparse gradients cannot share a flat buffer. Such a bucket has
+no buffer of its own; the reducer puts the parameter's sparse .grad there.
+
+Gradient Layout Contract (torch's reducer.cpp): autograd makes the gradient
+of a parameter whose memory is dense and non-overlapping with the
+parameter's strides (channels_last convolutions), row-major otherwise. Each
+parameter's view into a bucket has those same strides, so the copy into it
+is a plain one and, with gradient_as_bucket_view, .grad looks as autograd
+would have made it. Comm hooks' `bucket.gradients()` stay row-major slices
+of the flat buffer, as torch's are.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -25,13 +38,15 @@ class Bucket:
     indices: list         # the parameters' positions in the list given to build()
     params: list          # the parameters, in the order they sit in the buffer
     offsets: list         # element offset of each parameter in the buffer
-    buffer: torch.Tensor  # flat, 1-D, dtype and device of its parameters
+    buffer: Optional[torch.Tensor]  # flat, 1-D, dtype and device of its parameters;
+    #                                 sparse: the parameter's sparse .grad (None before one)
     carrier: Optional[torch.Tensor] = None  # buffer + STAMP trailing slots (see build)
+    sparse: bool = False  # one parameter that expects a sparse gradient
 
     def __post_init__(self):
         # Made once, as torch's bucket views are: slicing anew in every
         # gradient hook costs more than the copy into the slot on a small layer.
-        self.views = self._slices(self.buffer)
+        self.views = [] if self.sparse else self._slices(self.buffer)
 
     def view(self, i):
         """Parameter i's slice of the buffer, shaped like the parameter."""
@@ -46,11 +61,51 @@ class Bucket:
         return self._slices(flat)
 
     def _slices(self, flat):
-        return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+        flat = flat if flat.is_contiguous() else flat.contiguous()  # as_strided needs stride 1
+        base = flat.storage_offset()
+        return [flat.as_strided(p.shape, gradient_strides(p), base + o)
+                for p, o in zip(self.params, self.offsets)]
+
+    def flat_slices(self):
+        """Every parameter's slice of the buffer, row-major whatever its layout:
+        what torch's GradBucket.gradients() returns (and PowerSGD reshapes)."""
+        return [self.buffer[o:o + p.numel()].view(p.shape)
+                for p, o in zip(self.params, self.offsets)]
 
     @property
     def nbytes(self):
+        if self.sparse:  # what travels: the gradient's indices and values
+            grad = self.buffer
+            return 0 if grad is None else sum(t.numel() * t.element_size()
+                                              for t in (grad._indices(), grad._values()))
         return self.buffer.numel() * self.buffer.element_size()
+
+
+def gradient_strides(param):
+    """The strides autograd gives `param`'s gradient (the Gradient Layout Contract
+    above): the parameter's own where its memory is non-overlapping and dense,
+    row-major otherwise."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(param.shape, param.stride())
+                               if sz != 1):
+        if stride != expected:
+            return torch.empty(param.shape, device="meta").stride()
+        expected *= size
+    return param.stride()
+
+
+def expect_sparse_gradient(module, named):
+    """For each (name, parameter) of `named`: whether it expects a sparse gradient.
+    torch's rule (DistributedDataParallel._build_params_for_reducer): the first
+    module in `module.named_modules()` holding the parameter is an nn.Embedding
+    or nn.EmbeddingBag with sparse=True."""
+    owner = {}
+    for _, m in module.named_modules():
+        for p in m.parameters(recurse=False):
+            owner.setdefault(id(p), m)
+    embeddings = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    return [isinstance(owner.get(id(p)), embeddings) and bool(owner[id(p)].sparse)
+            for _, p in named]
 
 
 def caps(cap_bytes, first_cap_bytes=FIRST_BUCKET_BYTES):
@@ -58,19 +113,24 @@ def caps(cap_bytes, first_cap_bytes=FIRST_BUCKET_BYTES):
     return [min(first_cap_bytes, cap_bytes), cap_bytes]
 
 
-def assign(params, limits):
+def assign(params, limits, sparse=None):
     """Group parameter indices into buckets, filled in reverse order.
 
     `params` is the list of parameters in registration order; `limits` the size
     limits in bytes (bucket k of a dtype and device closes at limits[k], the
-    last limit applying to every later one). Returns a list of lists of
-    indices: bucket 0 first, each bucket's indices in the order their
-    gradients are expected to become ready. A single parameter larger than
-    its limit gets a bucket of its own.
+    last limit applying to every later one); `sparse[i]`, where given, whether
+    parameter i expects a sparse gradient (a bucket of its own). Returns a list
+    of lists of indices: bucket 0 first, each bucket's indices in the order
+    their gradients are expected to become ready; buckets ordered by the
+    lowest index they hold, highest first, as torch orders them. A single parameter
+    larger than its limit gets a bucket of its own.
     """
     closed, open_buckets = [], {}
     for i in reversed(range(len(params))):
         p = params[i]
+        if sparse is not None and sparse[i]:
+            closed.append([i])
+            continue
         key = (p.dtype, p.device)
         indices, size, count = open_buckets.get(key, ([], 0, 0))
         indices.append(i)
@@ -81,25 +141,40 @@ def assign(params, limits):
         else:
             open_buckets[key] = (indices, size, count)
     closed.extend(indices for indices, _, _ in open_buckets.values() if indices)
+    # torch's order (compute_bucket_assignment_by_size): by the bucket's oldest
+    # parameter, newest first. Stable, so one dtype keeps its filling order; a
+    # sparse parameter's bucket sits where its gradient is expected.
+    closed.sort(key=lambda indices: -min(indices))
     return closed
 
 
-def build(params, limits, stamp=False):
+def build(params, limits, stamp=False, sparse=None):
     """Allocate the buckets for `params` (registration order); see `assign`."""
-    return allocate(params, assign(params, limits), stamp)
+    return allocate(params, assign(params, limits, sparse), stamp, sparse)
 
 
-def allocate(params, assignment, stamp=False):
+def allocate(params, assignment, stamp=False, sparse=None):
     """Allocate buckets for `assignment`, lists of indices into `params` (bucket 0
-    first, each in its gradients' expected ready order).
+    first, each in its gradients' expected ready order); `sparse[i]` says
+    whether parameter i expects a sparse gradient, which must be alone in its
+    bucket.
 
     stamp=True gives bucket 0, where it holds float32 or float64 values, STAMP
     more slots behind its buffer (`carrier`): the reducer's step check rides
     there on the bucket's own all-reduce instead of a collective of its own.
+    A sparse bucket 0 carries nothing: the step check takes its own collective.
     """
     buckets = []
     for b, indices in enumerate(assignment):
         members = [params[i] for i in indices]
+        if sparse is not None and any(sparse[i] for i in indices):
+            if len(indices) != 1:
+                raise ValueError(
+                    f"minddp: bucket {b} holds parameters {list(indices)}, among them one "
+                    f"that expects a sparse gradient; such a parameter needs a bucket of "
+                    f"its own (buckets.assign and overlap.plan keep it alone).")
+            buckets.append(Bucket(b, list(indices), members, [0], None, sparse=True))
+            continue
         offsets, total = [], 0
         for p in members:
             offsets.append(total)

@@ -39,7 +39,7 @@ from minddp import devices
 from minddp.algorithms import planner, sum_now
 from minddp.algorithms.cost_model import interleaved
 from minddp.compression import ErrorFeedback, _is_native, codec_for
-from minddp.reduction import setup_job
+from minddp.reduction import dense, is_sparse, launch_sparse, setup_job
 
 log = logging.getLogger("minddp.compression")
 
@@ -79,6 +79,7 @@ class AutoCompression:
         return self.compressed.get(0) is None
 
     def setup(self, buckets, provisional=False):
+        buckets = dense(buckets)  # sparse ones take the backend's sum (launch)
         buffers = [b.carrier if b.carrier is not None else b.buffer for b in buckets]
         if provisional:  # a few backwards before the plan: full precision, nothing timed
             self.compressed = {b.index: None for b in buckets}
@@ -126,6 +127,8 @@ class AutoCompression:
             self.timeline.instant("compression plan", thread="comm", buckets=decisions)
 
     def launch(self, bucket):
+        if is_sparse(bucket):
+            return launch_sparse(self.engine, bucket, self.timeline)
         # The step check's slots ride only on an exact sum (carries_stamp).
         b = bucket.index()
         tensor = bucket._to_sum() if self.compressed[b] is None else bucket.buffer()

@@ -16,6 +16,8 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.join import _JoinConfig
 from torch.utils import _pytree as pytree
 
 from minddp import algorithms
@@ -26,12 +28,14 @@ from minddp.algorithms import native
 from minddp.grad_bucket import GradBucket
 from minddp.health import PeerProgress
 from minddp.join import Join
+from minddp.logging_data import DDPLogger
 from minddp import overlap
 from minddp.compression_auto import AutoCompression
 from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_model
 from minddp.reducer import Phase, Reducer
 from minddp.powersgd import PowerSGD, PowerSGDReduction
 from minddp.reduction import AlgorithmReduction, HookReduction, setup_job
+from minddp.replicas import DEFAULT_INTERVAL, ReplicaCheck, interval_of
 from minddp.timeline import from_environment
 
 COMPRESSIONS = (None, "fp16", "bf16", "int8", "powersgd", "auto")  # or a PowerSGD(...)
@@ -40,10 +44,18 @@ COMPRESSIONS = (None, "fp16", "bf16", "int8", "powersgd", "auto")  # or a PowerS
 _TORCH_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(
     nn.parallel.DistributedDataParallel.__init__).parameters
 _constructed = collections.Counter()  # ranks -> wrappers constructed over them
+# torch's class, taken from its defining module, which replace_torch_ddp() never rebinds.
+TorchDDP = nn.parallel.distributed.DistributedDataParallel
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(TorchDDP):
     """Data-parallel wrapper: after `loss.backward()` every `.grad` is the mean over ranks.
+
+    A subclass of torch's DistributedDataParallel whose constructor never runs
+    torch's (docs/design.md, "Why a subclass"): frameworks that test
+    `isinstance(model, DistributedDataParallel)` before they unwrap it or call
+    its reducer (Lightning, Accelerate, the HF Trainer) take minddp's wrapper
+    for torch's, and every torch method they reach is minddp's own.
 
     Every rank of `process_group` (default: the world) must construct it with
     the same model and arguments. torch's keywords mean what they mean in
@@ -57,7 +69,9 @@ class DistributedDataParallel(nn.Module):
     to choose), or as fp16 or int8 per bucket where that pays ("auto"), `timeout`
     bounds every wait for a peer (default: the process group's), `timeline`
     is a path prefix for a Chrome trace of this rank's buckets (default:
-    $MINDDP_TIMELINE).
+    $MINDDP_TIMELINE), `check_replicas` compares the ranks' weights bit for bit
+    every so many synced steps and raises on every rank if they differ (0 or
+    None: never; replicas.py).
     """
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0,
@@ -67,8 +81,10 @@ class DistributedDataParallel(nn.Module):
                  delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
                  mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
                  bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None,
-                 *, algorithm="auto", compression=None, timeout=None, timeline=None):
-        super().__init__()
+                 *, algorithm="auto", compression=None, timeout=None, timeline=None,
+                 check_replicas=DEFAULT_INTERVAL):
+        nn.Module.__init__(self)  # not torch's DDP constructor: minddp builds its own parts
+        self._join_config = _JoinConfig.construct_disabled_join_config()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("minddp: the default process group is not initialised; call "
                                "torch.distributed.init_process_group() (torchrun sets the "
@@ -90,6 +106,11 @@ class DistributedDataParallel(nn.Module):
             warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module "
                           "is deprecated. Please avoid using it.", FutureWarning, stacklevel=2)
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        if isinstance(module, TorchDDP):
+            raise ValueError(
+                f"minddp (rank {rank}): the module is already a DistributedDataParallel "
+                f"({type(module).__module__}.{type(module).__qualname__}); wrapping it again "
+                f"would reduce every gradient twice. Wrap the bare model (its .module) once.")
         named = self._trainable(module)
         bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
         _check_arguments(named, rank, device_ids, bucket_cap_mb, bucket_cap_mb_list, algorithm,
@@ -119,13 +140,15 @@ class DistributedDataParallel(nn.Module):
         self.bucket_bytes_cap_list = [int(c * 1024 * 1024) for c in bucket_cap_mb_list or []]
         self._join = None  # the active join() context, if any
         self._timeout = timeout
+        self.check_replicas = interval_of(check_replicas, rank)
         self.world_size = dist.get_world_size(group)
         self.timeline = from_environment(rank, timeline)
         settings = {"bucket_cap_mb": bucket_cap_mb, "algorithm": algorithm,
                     "compression": str(self.compression),
                     "find_unused_parameters": find_unused_parameters,
                     "gradient_as_bucket_view": gradient_as_bucket_view,
-                    "static_graph": static_graph, "forward_sync_buffers": self.forward_sync_buffers}
+                    "static_graph": static_graph, "forward_sync_buffers": self.forward_sync_buffers,
+                    "check_replicas": self.check_replicas}
         self._ranks = "-".join(map(str, dist.get_process_group_ranks(self.process_group)))
         self._take_name()
         with _current(self.device):
@@ -170,7 +193,8 @@ class DistributedDataParallel(nn.Module):
         planned = self._plan_buckets and self.world_size > 1
         limits = (overlap.probe_limits() if planned else
                   self.bucket_bytes_cap_list or bucketing.caps(self.bucket_bytes_cap))
-        buckets = bucketing.build([p for _, p in named], limits, stamp=self.world_size > 1)
+        buckets = bucketing.build([p for _, p in named], limits, stamp=self.world_size > 1,
+                                  sparse=bucketing.expect_sparse_gradient(self.module, named))
         name = f"algorithm {self.algorithm!r}"
         if self.compression == "auto":
             reduction = AutoCompression(self.engine, self.algorithm, group, name, self.timeline)
@@ -197,7 +221,19 @@ class DistributedDataParallel(nn.Module):
             gradient_as_bucket_view=self.gradient_as_bucket_view, static_graph=static_graph,
             count_used=count_used, sum_step=sum_step if self.world_size > 1 else None,
             timeline=self.timeline, progress=progress,
-            planner=self._planned_buckets if planned else None)
+            planner=self._planned_buckets if planned else None,
+            replicas=self._replica_check(rank))
+        self.logger = DDPLogger(self)  # what DDP logs about itself (logging_data.py)
+        self.reducer.logger = self.logger
+
+    def _replica_check(self, rank):
+        """Every check_replicas synced steps, compare the ranks' weights (replicas.py)."""
+        interval = self.__dict__.get("check_replicas", DEFAULT_INTERVAL)  # older pickles
+        if not interval or self.world_size == 1:
+            return None
+        named = [(n, p) for n, p in self.module.named_parameters()
+                 if n not in self.parameters_to_ignore]
+        return ReplicaCheck(named, self.engine, interval, rank, self.world_size)
 
     def _planned_buckets(self, ready_times):
         """bucket_cap_mb="auto", once, on every rank together: measure the link as
@@ -211,9 +247,11 @@ class DistributedDataParallel(nn.Module):
                                     lambda t: engine.submit(job, t, label="link"),
                                     engine.side_group, self.device, self.reducer.params[0].dtype,
                                     lambda probes: setup_job(engine, job, probes, True))
+        sparse = self.reducer.expect_sparse  # each alone in its bucket, planned or not
         plan = overlap.plan(self.reducer.params, *overlap.agree(
-            ready_times, link, engine.side_group, engine.device))
-        buckets = bucketing.allocate(self.reducer.params, plan.buckets, stamp=True)
+            ready_times, link, engine.side_group, engine.device), sparse=sparse)
+        buckets = bucketing.allocate(self.reducer.params, plan.buckets, stamp=True,
+                                     sparse=sparse)
         self.reducer.reduction.setup(buckets)
         overlap.log.debug("minddp (rank %d): buckets planned: %s",
                           dist.get_rank(self.process_group), plan.describe())
@@ -251,12 +289,13 @@ class DistributedDataParallel(nn.Module):
                           stacklevel=2)
             return
         if self.reducer.iterations or self.reducer.phase is not Phase.IDLE:
-            raise RuntimeError(f"minddp (rank {self.reducer.rank}): _set_static_graph() should "
-                               f"be called before training loop starts and after "
-                               f"DistributedDataParallel is constructed; pass "
-                               f"static_graph=True to the constructor instead.")
+            self._log_and_throw(RuntimeError, f"minddp (rank {self.reducer.rank}): "
+                                f"_set_static_graph() should be called before training loop "
+                                f"starts and after DistributedDataParallel is constructed; pass "
+                                f"static_graph=True to the constructor instead.")
         self.static_graph = True
         self.reducer.set_static_graph()
+        self.logger._set_static_graph()
         if self.find_unused_parameters:
             warnings.warn("You passed find_unused_parameters=true to DistributedDataParallel, "
                           "`_set_static_graph` will detect unused parameters automatically, "
@@ -265,37 +304,65 @@ class DistributedDataParallel(nn.Module):
                           "calling `_set_static_graph`.", stacklevel=2)
 
     # -- forward -----------------------------------------------------------------
+    # torch's order: the finished-backward check, join's notice and the buffer
+    # broadcast before the module runs; whether this step synchronises is read
+    # after it, since the module may switch it (Lightning's manual optimisation
+    # and accumulation do).
+    @torch._disable_dynamo(recursive=False)  # see _pre_forward
     def forward(self, *inputs, **kwargs):
         with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
-            grad_enabled = torch.is_grad_enabled()
-            if grad_enabled:
-                self.reducer.check_finished()
-            synced = grad_enabled and self.require_backward_grad_sync
-            sync_buffers = (self.require_forward_param_sync and self.forward_sync_buffers and
-                            self.world_size > 1)
-            buffers = self._buffers_to_sync() if sync_buffers else []
-            source, divisor = 0, self.world_size
-            if self._join is not None:  # uneven inputs: tell the joined ranks what comes
-                source, divisor = self._join.before_forward(bool(buffers), synced)
-            if buffers:
-                with torch.no_grad():
-                    broadcast_from_first(buffers, self.process_group, src=source)
-            if self.device_ids:
-                inputs, kwargs = _to_device((inputs, kwargs),
-                                            torch.device(self.device.type, self.device_ids[0]))
-            outputs = self.module(*inputs, **kwargs)
-            self.require_forward_param_sync = synced
-            if not synced:
-                return outputs
-            self.reducer.prepare_for_backward(outputs, divisor)
-            if self.reducer.find_unused or self.reducer.in_first_static_iteration:
-                outputs = _through_sink(outputs, weakref.ref(self.reducer))
+            inputs, kwargs = self._pre_forward(*inputs, **kwargs)
+            with self.reducer.inside_forward(self._divisor, self._sync_wanted), \
+                    _compiled_in_buckets(self):
+                outputs = self.module(*inputs, **kwargs)
+            return self._post_forward(outputs)
+
+    # Under torch.compile dynamo compiles the module's forward only, as with
+    # torch's DDP: forward's own frame is skipped (recursive=False: what it
+    # calls is still compiled) and the wrapper's bookkeeping runs eagerly.
+    @torch._disable_dynamo
+    def _pre_forward(self, *inputs, **kwargs):
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            self.reducer.check_finished()
+            _refuse_outer_wrapper(self)
+        synced = grad_enabled and self.require_backward_grad_sync
+        if synced:
+            self.logger.forward_start()
+        sync_buffers = (self.require_forward_param_sync and self.forward_sync_buffers and
+                        self.world_size > 1)
+        buffers = self._buffers_to_sync() if sync_buffers else []
+        source, self._divisor = 0, self.world_size
+        if self._join is not None:  # uneven inputs: tell the joined ranks what comes
+            source, self._divisor = self._join.before_forward(bool(buffers), synced)
+        if buffers:
+            with torch.no_grad():
+                broadcast_from_first(buffers, self.process_group, src=source)
+        if self.device_ids:
+            inputs, kwargs = _to_device((inputs, kwargs),
+                                        torch.device(self.device.type, self.device_ids[0]))
+        return inputs, kwargs
+
+    @torch._disable_dynamo
+    def _post_forward(self, outputs):
+        if not (torch.is_grad_enabled() and self.require_backward_grad_sync):
+            self.require_forward_param_sync = False
             return outputs
+        self.require_forward_param_sync = True
+        self.reducer.prepare_for_backward(outputs, self._divisor)
+        self.logger.backward_armed(self.reducer)
+        if self.reducer.find_unused or self.reducer.in_first_static_iteration:
+            outputs = _through_sink(outputs, weakref.ref(self.reducer))
+        return outputs
+
+    def _sync_wanted(self):
+        return self.require_backward_grad_sync
 
     # -- the torch API around the reducer ---------------------------------------
     def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
         """Context manager for uneven inputs: ranks that run out of batches keep
         matching the others' communication until every rank is done (join.py)."""
+        self.logger._set_uneven_input_join()  # also when not enabled, as torch logs it
         if not enable:
             return contextlib.nullcontext()
         return Join(self, divide_by_initial_world_size, throw_on_early_termination)
@@ -317,11 +384,57 @@ class DistributedDataParallel(nn.Module):
         the world size); the future's value must be the averaged buffer.
         At most once, and not during a backward pass.
         """
-        _check_comm_hook(hook)
+        try:
+            _check_comm_hook(hook)
+        except (TypeError, ValueError) as e:
+            self.logger.set_error_and_log(f"{type(e)}: {e}")
+            raise
         if isinstance(self.reducer.reduction, HookReduction):
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be "
-                               "called once.")
+            self._log_and_throw(RuntimeError, "register_comm_hook or register_builtin_comm_hook "
+                                "can only be called once.")
         self.reducer.set_reduction(HookReduction(state, hook))
+        self.logger._set_comm_hook_name(getattr(hook, "__qualname__", type(hook).__qualname__))
+
+    def _register_builtin_comm_hook(self, comm_hook_type):
+        """torch's C++ built-in hooks, as the Python hooks that do the same."""
+        hooks = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+                 dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+        if comm_hook_type not in hooks:
+            raise ValueError(f"minddp: unknown built-in comm hook {comm_hook_type!r}; choose "
+                             f"one of {list(hooks)}.")
+        self.register_comm_hook(self.process_group, hooks[comm_hook_type])
+        self.reducer.reduction.name = str(comm_hook_type)
+        self.logger._set_comm_hook_name(str(comm_hook_type))
+
+    def join_hook(self, **kwargs):
+        raise NotImplementedError(
+            "minddp's DistributedDataParallel is not a torch Joinable: torch.distributed."
+            "algorithms.Join([ddp, ...]) cannot drive it. Use `with ddp.join():` around the "
+            "training loop (README, 'Differences from torch DDP').")
+
+    def _get_ddp_logging_data(self):
+        """torch's dict of what DDP logs about itself, with minddp's values
+        (logging_data.py says which keys and when)."""
+        return self.logger._get_ddp_logging_data()
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate):
+        """Runtime stats in the first 10 synced iterations, then every
+        `sample_rate`-th (default 100); at least 1."""
+        try:
+            self.logger.set_sample_rate(sample_rate)
+        except ValueError as e:
+            self._log_and_throw(ValueError, str(e))
+
+    def _log_and_throw(self, err_type, err_msg):
+        """Note the error in the logging data, then raise it (torch's helper)."""
+        self.logger.set_error_and_log(f"{err_type}: {err_msg}")
+        raise err_type(err_msg)
+
+    def _check_reducer_finalized(self):
+        """torch's private check that no backward is half way through."""
+        if self.reducer.phase is Phase.RUNNING:
+            raise RuntimeError(f"minddp (rank {self.reducer.rank}): the reducer has not "
+                               f"finalized the previous backward pass.")
 
     @property
     def broadcast_buffers(self):
@@ -359,14 +472,14 @@ class DistributedDataParallel(nn.Module):
                                "init_process_group and have not passed process_group argument "
                                "to DDP constructor")
         state = dict(self.__dict__)
-        for key in ("process_group", "reducer", "engine", "_join", "timeline"):
+        for key in ("process_group", "reducer", "engine", "_join", "timeline", "logger"):
             state.pop(key, None)
         state["_static_graph"] = state.pop("static_graph")
         return state
 
     def __setstate__(self, state):
         static_graph = state.pop("_static_graph")
-        super().__setstate__(state)
+        nn.Module.__setstate__(self, state)  # not torch DDP's: it would build torch's reducer
         self.process_group = dist.group.WORLD
         self._join, self.static_graph = None, False
         self.timeline = None
@@ -378,6 +491,37 @@ class DistributedDataParallel(nn.Module):
                                          provisional=self.reducer.planner is not None)
         if static_graph:
             self._set_static_graph()
+
+
+# torch DDP's private methods that minddp's wrapper does not provide: inherited,
+# they would run torch's code on parts minddp does not have, so each raises.
+_TORCH_PRIVATE_NOT_PROVIDED = (
+    "_register_accum_grad_hook", "_delayed_all_reduce_hook", "_register_delay_all_reduce_hook",
+    "_setup_in_backward_optimizers", "_fire_reducer_autograd_hook", "_root_copy_hook",
+    "_module_wait_for_copy_hook", "_ddp_init_helper",
+    "_build_params_for_reducer", "_assign_modules_buffers", "_build_debug_param_to_name_mapping",
+    "_get_parameters", "_run_ddp_forward", "_clear_grad_buffer", "_lazy_init",
+    "_check_global_requires_backward_grad_sync", "_check_and_sync_module_buffers",
+    "_sync_final_model", "_match_all_reduce_for_bwd_pass", "_match_unused_params_allreduce",
+    "_register_buffer_comm_hook", "_register_fused_optim", "_distributed_broadcast_coalesced",
+    "_check_sync_bufs_post_fwd", "_check_sync_bufs_pre_fwd", "will_sync_module_buffers",
+    "_find_common_rank", "_sync_buffers", "_sync_module_buffers", "_default_broadcast_coalesced",
+    "_passing_sync_batchnorm_handle", "_set_sparse_metadata", "_update_process_group",
+)
+
+
+def _not_provided(name):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"minddp: torch DDP's private {name}() is not part of minddp's wrapper, whose "
+            f"reducer is its own (README, 'Differences from torch DDP'); use "
+            f"torch.nn.parallel.DistributedDataParallel where you need it.")
+    method.__name__ = name
+    return method
+
+
+for _name in _TORCH_PRIVATE_NOT_PROVIDED:
+    setattr(DistributedDataParallel, _name, _not_provided(_name))
 
 
 class _Sink(torch.autograd.Function):
@@ -413,6 +557,25 @@ def _through_sink(outputs, reducer_ref):
     return pytree.tree_unflatten(leaves, spec)
 
 
+@contextlib.contextmanager
+@torch._disable_dynamo(recursive=False)  # torch's _inside_ddp_forward: the module still compiles
+def _compiled_in_buckets(wrapper):
+    """While the module runs, torch.compile takes `wrapper` for the active DDP
+    (torch's own wrapper does the same): dynamo's DDPOptimizer then cuts the
+    module's graph where `bucket_bytes_cap` ends a bucket. One compiled graph
+    would give every gradient at the end of its backward, so no bucket could be
+    reduced while backward still runs. DDPOptimizer refuses a cap below its
+    first bucket's (1 MiB): below it minddp leaves the graph whole, where
+    torch's DDP raises."""
+    active = TorchDDP._active_ddp_module
+    if wrapper.bucket_bytes_cap >= dist._DEFAULT_FIRST_BUCKET_BYTES:
+        TorchDDP._active_ddp_module = wrapper
+    try:
+        yield
+    finally:
+        TorchDDP._active_ddp_module = active
+
+
 def _buffer_sync(broadcast_buffers, forward_sync_buffers):
     """(sync buffers before each forward, sync them at construction), as torch decides."""
     if broadcast_buffers is not None and _TORCH_HAS_FORWARD_SYNC:
@@ -429,6 +592,28 @@ def _buffer_sync(broadcast_buffers, forward_sync_buffers):
         return forward_sync_buffers, True
     effective = True if broadcast_buffers is None else broadcast_buffers
     return effective, effective
+
+
+def _refuse_outer_wrapper(ddp):
+    """Raise if torch's DDP is running this wrapper inside its own forward over the
+    same parameters (a framework wrapped minddp's wrapper again: Accelerate given
+    it without replace_torch_ddp()); each gradient would be reduced twice. An
+    outer DDP over other parameters (nested wrappers, as TorchRec builds) is fine."""
+    outer = TorchDDP._active_ddp_module  # set by torch's DDP while its module runs
+    if outer is None or outer is ddp:
+        return
+    ignored = getattr(outer, "parameters_to_ignore", ())
+    theirs = {id(p) for n, p in outer.module.named_parameters() if n not in ignored}
+    shared = [n for n, p in ddp._trainable(ddp.module) if id(p) in theirs]
+    if shared:
+        raise RuntimeError(
+            f"minddp (rank {ddp.reducer.rank}): another DistributedDataParallel "
+            f"({type(outer).__module__}) is running minddp's wrapper inside its forward and "
+            f"both reduce '{shared[0]}' (and "
+            f"{len(shared) - 1} more): every gradient would be reduced twice. Give the "
+            f"framework the bare model; to have it build minddp's wrapper, call "
+            f"minddp.replace_torch_ddp() first (README, 'With Lightning, Accelerate, the "
+            f"HF Trainer').")
 
 
 def _refuse_unimplemented(rank, **given):

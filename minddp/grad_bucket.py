@@ -15,7 +15,8 @@ class GradBucket:
         return self._bucket.index
 
     def buffer(self):
-        """The flat gradient buffer (sum of local gradients, not yet averaged)."""
+        """The flat gradient buffer (sum of local gradients, not yet averaged); for
+        a parameter that expects a sparse gradient, that sparse gradient itself."""
         return self._bucket.buffer
 
     def _to_sum(self):
@@ -24,8 +25,9 @@ class GradBucket:
         return self._bucket.carrier if self._bucket.carrier is not None else self._bucket.buffer
 
     def gradients(self):
-        """Per-parameter views into the buffer, shaped like the parameters."""
-        return list(self._bucket.views)
+        """Per-parameter row-major views into the buffer, shaped like the parameters
+        (torch's: they ignore a parameter's own strides); none for a sparse bucket."""
+        return [] if self._bucket.sparse else self._bucket.flat_slices()
 
     def parameters(self):
         return list(self._bucket.params)
@@ -40,4 +42,4 @@ class GradBucket:
         if tensor.numel() != buffer.numel():
             raise ValueError(f"minddp: set_buffer got {tensor.numel()} elements for bucket "
                              f"{self.index()} of {buffer.numel()}")
-        buffer.copy_(tensor.reshape(-1))
+        buffer.copy_(tensor if buffer.is_sparse else tensor.reshape(-1))

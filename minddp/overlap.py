@@ -164,9 +164,11 @@ def agree(times, link, group, device):
     return agreed[:-len(link)], tuple(agreed[-len(link):])
 
 
-def plan(params, times, link):
+def plan(params, times, link, sparse=None):
     """The plan for `params` (registration order) from the agreed ready times
-    (microseconds) and link figures (measure_link).
+    (microseconds) and link figures (measure_link); `sparse[i]`, where given,
+    whether parameter i expects a sparse gradient: it is planned as a group of
+    its own, so it stays alone in its bucket (buckets.py).
 
     The dynamic programme above knows nothing of slowdown: a reduction that
     takes cores from backward delays every gradient after it. So it plans for
@@ -179,7 +181,8 @@ def plan(params, times, link):
     groups = {}
     for i in sorted(range(len(params)), key=lambda i: (times[i], -i)):
         p = params[i]
-        groups.setdefault((p.dtype, p.device), []).append(i)
+        key = ("sparse", i) if sparse is not None and sparse[i] else (p.dtype, p.device)
+        groups.setdefault(key, []).append(i)
     size = [p.numel() * p.element_size() for p in params]
     layouts = [_fixed(groups.values(), size)]
     for scale in ALPHA_SCALES:

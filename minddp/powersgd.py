@@ -30,7 +30,7 @@ import dataclasses
 import torch
 
 from minddp.algorithms import sum_now
-from minddp.reduction import setup_job
+from minddp.reduction import dense, is_sparse, launch_sparse, setup_job
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,16 +155,18 @@ class PowerSGDReduction:
 
     def setup(self, buckets, provisional=False):
         old = self.states
-        self.states = {b.index: BucketState(b, self.settings) for b in buckets}
+        self.states = {b.index: BucketState(b, self.settings) for b in dense(buckets)}
         if old:  # new buckets (bucket_cap_mb="auto"): keep the step count and the error
             _carry_over(old, self.states)
         # auto decides per size: announce every size this reduction will sum.
-        buffers = [b.buffer for b in buckets]
+        buffers = [b.buffer for b in dense(buckets)]
         for s in self.states.values():
             buffers += [t for t in (s.p, s.q, s.rest) if t.numel()]
         setup_job(self.engine, self.job, buffers, provisional)
 
     def launch(self, bucket):
+        if is_sparse(bucket):  # no matrix to factorise: summed as it is
+            return launch_sparse(self.engine, bucket, self.timeline)
         buffer = bucket.buffer()
         state = self.states[bucket.index()]
         return self.engine.submit(self._reduce, buffer, state, label=f"comm b{bucket.index()}",

@@ -34,6 +34,7 @@ backward; later a parameter is ready once its gradient has arrived that many
 times (reentrant checkpointing runs backward through a segment more than
 once), and the parameters the first iteration did not use are ready at once.
 """
+import contextlib
 import enum
 import math
 import threading
@@ -69,10 +70,13 @@ class Reducer:
     same for the step check (below).
     """
 
+    logger = None        # logging_data.DDPLogger (set by the wrapper): events and errors
+    _ready_order = None  # parameter indices as gradients arrive, in a backward it samples
+
     def __init__(self, named_params, buckets, reduction, *, rank, world_size,
                  find_unused_parameters=False,
                  gradient_as_bucket_view=False, static_graph=False, count_used=None,
-                 sum_step=None, progress=None, timeline=None, planner=None):
+                 sum_step=None, progress=None, timeline=None, planner=None, replicas=None):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.buckets = buckets
@@ -82,6 +86,8 @@ class Reducer:
         self.static_graph = static_graph
         self.as_view = gradient_as_bucket_view
         self.count_used, self.sum_step = count_used, sum_step
+        self.replicas = replicas  # replicas.ReplicaCheck, or None: check_replicas is off
+        self._replica_future = None
         self.progress = progress  # health.PeerProgress: names the peer when a bucket fails
         self.timeline = timeline  # see timeline.py; None records nothing
         # bucket_cap_mb="auto" (overlap.py): planner(notes) -> new buckets, once.
@@ -100,6 +106,7 @@ class Reducer:
         self._static_counts = None   # static_graph: gradients per parameter per iteration
         self._global_used = None     # static_graph: the first iteration's used map
         self._warned_create_graph = False
+        self._forward = None         # (divisor, sync_wanted) while the module's forward runs
         self._handles = _hook_parameters(self)
 
     # -- forward -----------------------------------------------------------------
@@ -108,17 +115,62 @@ class Reducer:
         if self.phase is Phase.RUNNING:
             self._abandon()
         if self.phase is Phase.BROKEN:
-            raise RuntimeError(self._broken)
+            raise RuntimeError(self._logged(self._broken))
 
-    def prepare_for_backward(self, outputs, divisor):
+    def prepare_for_backward(self, outputs, divisor=None):
         """Arm the reducer for the backward of `outputs` (every synced forward);
-        gradients will be divided by `divisor` (the world size, or fewer under join)."""
+        gradients will be divided by `divisor` (default the world size; fewer
+        under join). torch's reducer has this method with `outputs` alone, and
+        frameworks call it (Lightning before a backward inside the forward,
+        Accelerate's trigger_sync_in_backward), so it keeps that signature."""
         self.phase = Phase.ARMED
-        self.divisor = divisor
+        self.divisor = self.world_size if divisor is None else divisor
         self.forwards += 1
         if self.find_unused:
             reached = reached_parameters(outputs)
             self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+
+    def _rebuild_buckets(self):
+        """torch's private call before a forward: raise if the previous backward did
+        not finish; True if the buckets were rebuilt now (minddp rebuilds them only
+        at bucket_cap_mb="auto"'s plan, after a backward)."""
+        self.check_finished()
+        return False
+
+    def _delay_all_reduce(self):
+        """torch's private call that reduces static graph's first iteration at once
+        (Lightning makes it after a backward run inside the forward). minddp queues
+        that reduction for the end of the backward itself, so this only reduces
+        now if the backward is still running."""
+        if self.phase is Phase.RUNNING and self.in_first_static_iteration:
+            self._reduce_all_at_end()
+
+    @contextlib.contextmanager
+    def inside_forward(self, divisor, sync_wanted):
+        """The wrapper's module runs inside: a backward that starts there (Lightning's
+        manual optimisation, an optimizer closure) while `sync_wanted()` holds
+        synchronises as if the forward had ended first, instead of being left
+        local on the first iteration as torch's reducer leaves it. An arm left by
+        an earlier forward with no backward after it belongs to that forward's
+        outputs, not to anything this forward computes: it is dropped."""
+        if self.phase is Phase.ARMED:
+            self.phase = Phase.IDLE
+        self._forward = (divisor, sync_wanted)
+        try:
+            yield
+        finally:
+            self._forward = None
+
+    def _arm_inside_forward(self):
+        divisor, _ = self._forward
+        if self.find_unused:
+            raise RuntimeError(
+                f"minddp (rank {self.rank}): a backward started inside the wrapper's forward "
+                f"with find_unused_parameters=True; minddp needs the tensors it starts from "
+                f"to find the unused parameters. Call ddp.reducer.prepare_for_backward("
+                f"[loss]) just before that backward (Lightning does), or run the backward "
+                f"after the forward returns.")
+        self.prepare_for_backward([], divisor)
 
     def set_reduction(self, reduction):
         """Reduce buckets through `reduction` from the next backward on."""
@@ -150,6 +202,8 @@ class Reducer:
             # Marked even outside a synced backward: a parameter used under
             # no_sync() counts as used at the next synced step.
             self.local_used[index] = 1
+        if self.phase is Phase.IDLE and self._forward is not None and self._forward[1]():
+            self._arm_inside_forward()
         if self.phase is Phase.ARMED:
             self._start()
         elif self.phase is not Phase.RUNNING:
@@ -159,10 +213,12 @@ class Reducer:
             return
         if self._static_counts is not None:
             if self._left[index] == 0:
-                raise RuntimeError(self._graph_changed(index))
+                raise RuntimeError(self._logged(self._graph_changed(index)))
             self._left[index] -= 1
             if self._left[index]:
                 return  # more gradients of this parameter to come in this backward
+        if self._ready_order is not None:
+            self._ready_order.append(index)
         self._mark_ready(index)
         self._launch_ready()
 
@@ -170,6 +226,7 @@ class Reducer:
         """The first gradient (or the sink) of a synced backward."""
         self.phase = Phase.RUNNING
         self._backward_start = now_us()
+        self._ready_order = self.logger.ready_order() if self.logger is not None else None
         if self.progress is not None:
             self.progress.entered(self.iterations)
         self._ready = [False] * len(self.params)
@@ -178,6 +235,9 @@ class Reducer:
         self._next = 0
         self._used_future = self._used_reduced = self._step_sums = None
         self._step_future = self._check_step(self.forwards)
+        # Before any bucket: it precedes bucket 0 on the gradient group (replicas.py).
+        self._replica_future = (self.replicas.launch(self.forwards)
+                                if self.replicas is not None else None)
         self._measuring = self.recorder is not None and self.recorder.measuring(self.forwards)
         if self._measuring:
             self.recorder.begin()
@@ -191,21 +251,28 @@ class Reducer:
 
     def _mark_ready(self, index):
         if self._ready[index]:
-            raise RuntimeError(self._marked_twice(index))
+            raise RuntimeError(self._logged(self._marked_twice(index)))
         self._ready[index] = True
         if self._measuring:
             self.recorder.ready_at(index, now_us())
         bucket, slot = self._where[index]
-        param, view = self.params[index], bucket.view(slot)
+        param, view = self.params[index], None if bucket.sparse else bucket.view(slot)
         # torch's rule: what is reduced is the parameter's .grad (which may hold
         # gradients accumulated under no_sync), or zeros where it has none.
         grad = param.grad
-        if grad is None:
+        if bucket.sparse:
+            self._sparse_ready(index, bucket, grad)
+        elif grad is None:
             view.zero_()
         elif grad.is_sparse:
-            raise RuntimeError(f"minddp (rank {self.rank}): parameter '{self.names[index]}' has "
-                               f"a sparse gradient, which minddp does not reduce; use a dense "
-                               f"layer (e.g. nn.Embedding(sparse=False)).")
+            # torch's DDP fails here too: NotImplementedError, "Cannot access
+            # storage of SparseTensorImpl".
+            raise NotImplementedError(
+                f"minddp (rank {self.rank}): parameter '{self.names[index]}' got a sparse "
+                f"gradient, but it sits in a dense bucket: only the weight of an nn.Embedding "
+                f"or nn.EmbeddingBag constructed with sparse=True is expected to have one (as "
+                f"in torch's DDP). Compute it through such a module, or make its gradient "
+                f"dense.")
         elif self.as_view and _aliases(grad, view):
             if self.reduction.prescaled:
                 view.div_(self.divisor)
@@ -223,6 +290,30 @@ class Reducer:
         if self._pending[bucket.index] == 0 and self.timeline is not None:
             self.timeline.instant(f"ready b{bucket.index}", bytes=bucket.nbytes)
 
+    def _sparse_ready(self, index, bucket, grad):
+        """torch's rule for a parameter that expects a sparse gradient: its bucket is
+        the sparse .grad itself, divided in place where the reduction wants it
+        divided; finalize copies the sum back into it. torch's DDP raises, with
+        the words quoted below, where it is missing or dense."""
+        name = self.names[index]
+        if grad is None:
+            raise RuntimeError(
+                f"minddp (rank {self.rank}): Expected sparse gradient to be defined: parameter "
+                f"'{name}' (of a module with sparse=True) has no .grad in this backward, and a "
+                f"sparse gradient cannot be stood in for by zeros. Use it in every synced "
+                f"forward on every rank, or leave it out of the wrapper "
+                f"(DistributedDataParallel._set_params_and_buffers_to_ignore_for_model).")
+        if not grad.is_sparse:
+            raise RuntimeError(
+                f"minddp (rank {self.rank}): Expected variable to have sparse gradient: "
+                f"parameter '{name}' belonged to a module with sparse=True when the wrapper "
+                f"was built, but its gradient is dense (sparse switched off since, or the "
+                f"weight used outside the embedding). Keep the module as it was wrapped, or "
+                f"wrap the model again.")
+        if self.reduction.prescaled:
+            grad.div_(self.divisor)
+        bucket.buffer = grad
+
     def _launch_ready(self):
         """Launch every full bucket whose predecessors have all been launched; once
         the last one is, reduce the used map and queue finalize."""
@@ -237,12 +328,16 @@ class Reducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     def _launch(self, b):
+        if b == 0 and self.logger is not None:
+            self.logger.comm_started()
         bucket = GradBucket(self.buckets[b], is_last=b == len(self.buckets) - 1)
         return self.reduction.launch(bucket)
 
     def _reduce_all_at_end(self):
         """static_graph, first iteration, end of backward: everything at once; from
         now on a parameter is ready after as many gradients as it got this time."""
+        if self.phase is not Phase.RUNNING:
+            return  # already reduced (_delay_all_reduce)
         for index in range(len(self.params)):
             self._mark_ready(index)
         self._launch_ready()
@@ -253,12 +348,16 @@ class Reducer:
     # -- end of backward ---------------------------------------------------------
     def _finalize(self):
         start = now_us()
+        if self.logger is not None:
+            self.logger.backward_ended()
         if self.timeline is not None:
             self.timeline.span("backward", self._backward_start, start)
         try:
             with profiled("minddp.finalize"):
                 self._write_back()
             self.phase = Phase.IDLE
+            if self.logger is not None:
+                self.logger.comm_ended(len(self.buckets))
             if self._measuring:
                 self._measuring = False
                 self.recorder.end(self._backward_start)
@@ -280,6 +379,11 @@ class Reducer:
             result = self._collect(b)
             if b == 0:
                 self._step_agreed()  # before any .grad is written
+                self._replicas_agreed()
+            if bucket.sparse:  # .grad is the bucket: the sum goes into it, as in torch
+                if result is not bucket.buffer:
+                    bucket.buffer.copy_(result)
+                continue
             views = bucket.views_of(result)
             for slot, index in enumerate(bucket.indices):
                 if used is not None and not used(index):
@@ -320,6 +424,16 @@ class Reducer:
         self._futures[b] = None
         if isinstance(result, (list, tuple)) and len(result) == 1:
             result = result[0]
+        if bucket.sparse:
+            shape = bucket.params[0].shape
+            if not isinstance(result, torch.Tensor) or result.shape != shape:
+                raise RuntimeError(
+                    f"minddp (rank {self.rank}): the reduction returned "
+                    f"{getattr(result, 'shape', type(result).__name__)} for {what}, which "
+                    f"holds the sparse gradient of '{self.names[bucket.indices[0]]}'; it must "
+                    f"return a Future whose value is the reduced gradient, of shape "
+                    f"{tuple(shape)}.")
+            return result
         if (b == 0 and bucket.carrier is not None and isinstance(result, torch.Tensor) and
                 result.numel() == bucket.carrier.numel()):
             result = result.reshape(-1)  # the step check rode along: its sums are the tail
@@ -424,6 +538,13 @@ class Reducer:
                 f"enabled outside no_sync(); every rank must run the same synced forwards "
                 f"and backwards. No gradient of this backward was written")
 
+    def _replicas_agreed(self):
+        """Raise (on every rank alike) if this backward's replica check, where it
+        ran one, found the ranks' weights different (replicas.py)."""
+        if self._replica_future is not None:
+            future, self._replica_future = self._replica_future, None
+            self.replicas.verify(self._wait(future, "the replica check", BACKEND), self.forwards)
+
     # -- broken iterations -------------------------------------------------------
     def _abandon(self):
         """The previous backward began but never reached finalize: drain what it
@@ -433,8 +554,8 @@ class Reducer:
         if self.progress is not None:  # first: a peer may be waiting for this rank
             self.progress.abandon(f"abandoned iteration {self.iterations}: its backward did not "
                                   f"finish (buckets {_spans(waiting)} never launched)")
-        launched = [f for f in [self._step_future, *self._futures, self._used_future]
-                    if f is not None]
+        launched = [f for f in [self._step_future, self._replica_future, *self._futures,
+                                self._used_future] if f is not None]
         for future in launched:  # so that none of it can pair with a later iteration
             try:  # a peer that broke too leaves a note, which ends the wait at once
                 self._wait(future, "a bucket of the broken iteration")
@@ -456,6 +577,12 @@ class Reducer:
     def _break(self, message):
         self.phase = Phase.BROKEN
         self._broken = message
+
+    def _logged(self, message):
+        """`message`, noted first as the wrapper's last error (logging_data.py)."""
+        if self.logger is not None:
+            self.logger.set_error_and_log(message)
+        return message
 
     def _marked_twice(self, index):
         return (f"minddp (rank {self.rank}): expected to mark a variable ready only once, but "
@@ -485,15 +612,22 @@ class Reducer:
         order, then the used-parameter map, as they do. Leaves .grad alone."""
         self.forwards += 1  # the step it shadows counts here too (the step check)
         for bucket in self.buckets:
-            (bucket.carrier if bucket.carrier is not None else bucket.buffer).zero_()
+            if bucket.sparse:  # a gradient with no rows; the last one is .grad: keep it
+                bucket.buffer = _no_rows(bucket.params[0])
+            else:
+                (bucket.carrier if bucket.carrier is not None else bucket.buffer).zero_()
         futures = []
         if self.sum_step is not None and not self._carried():
             futures.append(self.sum_step(torch.zeros(3, dtype=torch.int64)))
+        replica = (self.replicas.launch(self.forwards, present=False)  # not compared
+                   if self.replicas is not None else None)
         futures += [self._launch(b) for b in range(len(self.buckets))]
         if self.find_unused or self.in_first_static_iteration:
             futures.append(self.count_used(torch.zeros_like(self.local_used)))
         for future in futures:
             self._wait(future, "the buckets (joined rank, zeros)")
+        if replica is not None:  # the training ranks raise on a mismatch: so does this one
+            self.replicas.verify(self._wait(replica, "the replica check", BACKEND), self.forwards)
         self._plan_if_due()  # the other ranks plan at this step: take part
 
     # -- bucket_cap_mb="auto" ----------------------------------------------------
@@ -517,11 +651,16 @@ class Reducer:
         if self.as_view:
             for index, param in enumerate(self.params):
                 bucket, slot = where[index]
-                view = bucket.view(slot)
-                if param.grad is not None:
+                if param.grad is not None and not bucket.sparse:  # sparse .grad is no view
+                    view = bucket.view(slot)
                     view.copy_(param.grad)
                     param.grad = view
         self.buckets, self._where = buckets, where
+
+    @property
+    def expect_sparse(self):
+        """Per parameter: whether it expects a sparse gradient (a bucket of its own)."""
+        return [self._where[index][0].sparse for index in range(len(self.params))]
 
     def close(self):
         """Remove the gradient hooks (the wrapper's close() and garbage collection)."""
@@ -552,6 +691,13 @@ def _hook(ref, index):
         if reducer is not None:
             reducer.on_gradient(index, grad_outputs[0] is not None)
     return hook
+
+
+def _no_rows(param):
+    """A sparse gradient of `param` with no rows, laid out as an embedding's is
+    (one sparse dimension), for a rank that takes part with zeros."""
+    indices = torch.empty((1, 0), dtype=torch.long, device=param.device)
+    return torch.sparse_coo_tensor(indices, param.new_empty((0, *param.shape[1:])), param.shape)
 
 
 def _places(buckets):

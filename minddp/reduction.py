@@ -26,8 +26,15 @@ PowerSGD through `powersgd.PowerSGDReduction`.
                                bucket's device
     reduction.carries_stamp    True: it sums bucket 0's step-check slots with
                                the bucket, exactly (reducer.py, the step check)
+
+Sparse buckets (buckets.py: one parameter whose .grad is sparse) are handed
+over like any other; a comm hook gets the sparse gradient as bucket.buffer(),
+as torch's hooks do. minddp's own reductions send them through
+`launch_sparse` instead: its algorithms and codecs sum equal-sized flat
+buffers, and the ranks' sparse gradients hold different rows.
 """
 import torch
+import torch.distributed as dist
 
 
 def setup_job(engine, job, buffers, provisional=False):
@@ -36,6 +43,32 @@ def setup_job(engine, job, buffers, provisional=False):
     setup = getattr(job, "setup", None)
     if setup is not None:
         engine.run(setup, buffers, provisional, label="setup")
+
+
+def dense(buckets):
+    """The buckets (buckets.Bucket) minddp's own reductions sum: all but the sparse ones."""
+    return [b for b in buckets if not b.sparse]
+
+
+def is_sparse(bucket):
+    """Whether a GradBucket holds a sparse gradient (see launch_sparse)."""
+    return bucket.buffer().is_sparse
+
+
+def launch_sparse(engine, bucket, timeline=None):
+    """Sum a sparse bucket (GradBucket; its buffer a parameter's sparse .grad, already
+    divided by the reducer) with the backend's all-reduce, as torch's DDP does,
+    whatever algorithm or compression the wrapper has: gloo gathers every rank's
+    rows and adds them, writing the sum into the tensor. On the engine, so it keeps
+    its place in bucket order."""
+    tensor = bucket.buffer()
+    return engine.submit(_sum_sparse, tensor, engine.group, label=f"comm b{bucket.index()}",
+                         device=tensor.device, timeline=timeline)
+
+
+def _sum_sparse(tensor, group):
+    dist.all_reduce(tensor, group=group)
+    return tensor
 
 
 class AlgorithmReduction:
@@ -50,10 +83,12 @@ class AlgorithmReduction:
         self.carries_stamp = exact  # not with a lossy codec
 
     def setup(self, buckets, provisional=False):
-        buffers = [b.carrier if b.carrier is not None else b.buffer for b in buckets]
+        buffers = [b.carrier if b.carrier is not None else b.buffer for b in dense(buckets)]
         setup_job(self.engine, self.job, buffers, provisional)
 
     def launch(self, bucket):
+        if is_sparse(bucket):
+            return launch_sparse(self.engine, bucket, self.timeline)
         tensor = bucket._to_sum()  # the step check's slots too, where bucket 0 has them
         return self.engine.submit(self.job, tensor, label=f"comm b{bucket.index()}",
                                   device=tensor.device, timeline=self.timeline)
@@ -75,9 +110,12 @@ class HookReduction:
     def launch(self, bucket):
         future = self.hook(self.state, bucket)
         if not isinstance(future, torch._C.Future):  # the base of torch.futures.Future
+            # torch's words first (its tests and users match them), then the fix.
+            kind = type(future)
             raise RuntimeError(
-                f"minddp: the communication hook {getattr(self.hook, '__name__', self.hook)!r} "
-                f"returned {type(future).__name__} for bucket {bucket.index()}; it must return "
-                f"a torch.futures.Future whose value is the reduced bucket (e.g. "
-                f"work.get_future() of an async all-reduce).")
+                f"DDP communication hook's callback must return a torch.futures.Future "
+                f"object, but got {kind.__module__}.{kind.__qualname__} (minddp: the hook "
+                f"{getattr(self.hook, '__name__', self.hook)!r}, bucket {bucket.index()}; "
+                f"return e.g. work.get_future() of an async all-reduce, whose value is the "
+                f"reduced bucket).")
         return future

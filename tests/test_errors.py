@@ -156,13 +156,3 @@ def _misuse(rank, world_size, case):
                                   "backward_after_no_sync", "hook_registered_after_backward"])
 def test_misuse_behaves_as_in_torch(case):
     assert run_world(_misuse, 2, case) == [True, True]
-
-
-def _sparse(rank, world_size):
-    sparse = minddp.DDP(nn.Embedding(10, 3, sparse=True))
-    return _error_of(lambda: sparse(torch.tensor([[1, 2]])).sum().backward())
-
-
-def test_sparse_gradient_is_refused():
-    error = run_world(_sparse, 2)[1]
-    assert "rank 1" in error and "sparse gradient" in error and "'weight'" in error, error

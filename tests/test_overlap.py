@@ -69,7 +69,7 @@ def _model():
     return nn.Sequential(*[nn.Linear(128, 128) for _ in range(6)], nn.Linear(128, 4))
 
 
-def _one_bucket_per_parameter(params, times, link):
+def _one_bucket_per_parameter(params, times, link, sparse=None):
     # registration order: the reverse of when backward makes the gradients
     layout = [[i] for i in range(len(params))]
     return overlap.Plan(layout, [0.0] * len(layout), [0.0] * len(layout), 0.0, link)

@@ -30,8 +30,10 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as power_sgd
+from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks
 from torch.distributed.algorithms.model_averaging import averagers
 from torch.distributed.optim import PostLocalSGDOptimizer
+from torch.testing._internal.common_distributed import verify_ddp_error_logged
 
 
 def wrap(module, **kwargs):
@@ -192,10 +194,47 @@ class PortedDDPTests:
 
     def test_ported_ddp_python_error_logged(self):
         """register_comm_hook with a hook that is not callable raises TypeError
-        ("must be callable"). Upstream also checks torch's logger: left out."""
+        ("must be callable"), and the logging data holds that error."""
         ddp = wrap(TwoHeads())
         with self.assertRaisesRegex(TypeError, "must be callable"):
             ddp.register_comm_hook({}, {})
+        verify_ddp_error_logged(ddp, "must be callable")
+
+    # -- logging data ----------------------------------------------------------
+    def test_ported_ddp_comm_hook_logging(self):
+        """The logging data's "comm_hook" is absent until a hook is registered,
+        then the hook's __qualname__ (str(BuiltinCommHookType) for a built-in
+        one), and stays empty through training without one. Upstream's model
+        sits on a GPU; here on CPU."""
+        hooks = [default_hooks.allreduce_hook, default_hooks.fp16_compress_hook,
+                 power_sgd.powerSGD_hook, power_sgd.batched_powerSGD_hook,
+                 quantization_hooks.quantization_pertensor_hook,
+                 quantization_hooks.quantization_perchannel_hook]
+        for hook in hooks:
+            with case(hook=hook.__qualname__):
+                ddp = wrap(nn.Linear(1, 1, bias=False))
+                self.assertIsNone(ddp._get_ddp_logging_data().get("comm_hook"))
+                ddp.register_comm_hook(None, hook)
+                self.assertEqual(ddp._get_ddp_logging_data().get("comm_hook"), hook.__qualname__)
+        for hook in (dist.BuiltinCommHookType.ALLREDUCE, dist.BuiltinCommHookType.FP16_COMPRESS):
+            with case(hook=str(hook)):
+                ddp = wrap(nn.Linear(1, 1, bias=False))
+                self.assertIsNone(ddp._get_ddp_logging_data().get("comm_hook"))
+                ddp._register_builtin_comm_hook(hook)
+                self.assertEqual(ddp._get_ddp_logging_data().get("comm_hook"), str(hook))
+        ddp = wrap(nn.Linear(1, 1, bias=False))
+        self.assertIsNone(ddp._get_ddp_logging_data().get("comm_hook"))
+        for _ in range(2):
+            ddp(torch.ones(1, 1)).sum().backward()
+        self.assertEqual(ddp._get_ddp_logging_data().get("comm_hook", ""), "")
+
+    def test_ported_sync_bn_logged(self):
+        """A model with BatchNorm (not SyncBatchNorm) logs has_sync_bn false.
+        Upstream's other half wraps a SyncBatchNorm model, which torch's DDP
+        refuses on CPU (ValueError): left out."""
+        model = nn.Sequential(nn.Linear(2, 40, bias=False), nn.BatchNorm1d(40), nn.Linear(40, 4))
+        ddp = wrap(model)
+        self.assertFalse(ddp._get_ddp_logging_data().get("has_sync_bn", True))
 
     @needs_torch_keyword("bucket_cap_mb_list")
     def test_ported_ddp_bucket_cap_mb_list(self):
@@ -331,7 +370,8 @@ class PortedDDPTests:
     def test_ported_ddp_join_model_equivalence(self):
         """Rank r trains 2(r+1) steps under join() with lr x world size; for this
         linear model (constant gradient) that equals local training for the
-        total number of steps, and every rank ends with those weights."""
+        total number of steps, every rank ends with those weights, and the
+        logging data notes join_uneven_inputs."""
         torch.manual_seed(0)
         model = nn.Linear(10, 10, bias=False)
         x = torch.rand(3, 10, generator=torch.Generator().manual_seed(1))
@@ -352,6 +392,7 @@ class PortedDDPTests:
         for (_, mine), (_, want) in zip(net.module.state_dict().items(),
                                         local.state_dict().items()):
             self.assertEqual(mine, want)
+        self.assertTrue(net._get_ddp_logging_data().get("join_uneven_inputs"))
 
     def _uneven_run(self, model, inp, steps, find_unused, sync_every=1, throw=False,
                     hook=None):
@@ -521,7 +562,7 @@ class PortedDDPTests:
     def test_ported_ddp_unused_params_rebuild_buckets_exception(self):
         """A parameter that gets no gradient without find_unused_parameters: the
         next forward raises a RuntimeError that recommends
-        find_unused_parameters=True."""
+        find_unused_parameters=True, and the logging data holds its message."""
         class Model(nn.Module):
             def __init__(self):
                 super().__init__()
@@ -533,8 +574,9 @@ class PortedDDPTests:
 
         ddp = wrap(Model())
         ddp(torch.rand(1, 10)).sum().backward()
-        with self.assertRaisesRegex(RuntimeError, "find_unused_parameters"):
+        with self.assertRaisesRegex(RuntimeError, "find_unused_parameters") as caught:
             ddp(torch.rand(1, 10)).sum().backward()
+        verify_ddp_error_logged(ddp, str(caught.exception))
         dist.barrier()
 
     def test_ported_ddp_shared_grad_acc_unused_params(self):
@@ -566,8 +608,9 @@ class PortedDDPTests:
         find_unused_parameters: each step's gradients equal local training's
         mean over the ranks' inputs (lin2's stays None while unused).
         Without find_unused_parameters the step after the first unused one
-        raises a RuntimeError that recommends it. (Upstream reads the reducer's
-        private used-parameter map instead of the gradients.)"""
+        raises a RuntimeError that recommends it, which the logging data holds.
+        (Upstream reads the reducer's private used-parameter map instead of
+        the gradients.)"""
         ones = torch.ones(20, 10)
         torch.manual_seed(0)
         local = TwoLayers(lambda x: torch.equal(x, ones))
@@ -587,8 +630,9 @@ class PortedDDPTests:
         ddp = wrap(model, find_unused_parameters=False)
         x = inputs_of(self.rank, 20, 10, seed=99)
         ddp(x).sum().backward()
-        with self.assertRaisesRegex(RuntimeError, "find_unused_parameters"):
+        with self.assertRaisesRegex(RuntimeError, "find_unused_parameters") as caught:
             ddp(x).sum().backward()
+        verify_ddp_error_logged(ddp, str(caught.exception))
         dist.barrier()
 
     def test_ported_ddp_control_flow_different_across_ranks(self):
@@ -596,7 +640,7 @@ class PortedDDPTests:
         find_unused_parameters: each step's gradients (lin2's too) equal local
         training's mean over the ranks. Without find_unused_parameters, a step
         where no rank used lin2 makes the next forward raise a RuntimeError
-        recommending it."""
+        recommending it, which the logging data holds."""
         ones = torch.ones(20, 10)
         world = dist.get_world_size()
         torch.manual_seed(0)
@@ -620,16 +664,18 @@ class PortedDDPTests:
     def test_ported_invalid_static_graph(self):
         """static_graph=True and the set of used parameters changes between
         steps (unused, then used; or used, then unused): a RuntimeError, on
-        every rank, by the forward after the change at the latest."""
+        every rank, by the forward after the change at the latest, and the
+        logging data holds its message."""
         ones = torch.ones(20, 10)
         other = inputs_of(0, 20, 10)
         for steps in ((other, ones, other), (ones, other, ones)):
             torch.manual_seed(0)
             ddp = wrap(TwoLayers(lambda x: torch.equal(x, ones)), static_graph=True)
             with case(first_step="lin2 unused" if steps[0] is other else "lin2 used"):
-                with self.assertRaises(RuntimeError):
+                with self.assertRaises(RuntimeError) as caught:
                     for x in steps:
                         ddp(x).sum().backward()
+                verify_ddp_error_logged(ddp, str(caught.exception))
             dist.barrier()
 
     def test_ported_output_unused_in_loss_tuple_module(self):
@@ -702,8 +748,8 @@ class PortedDDPTests:
     def test_ported_different_graph_across_ranks(self):
         """lin2 takes part on rank 0 only, every step, with gradient_as_bucket_view:
         find_unused_parameters=True and static_graph=True both train 10 steps and
-        accumulate the same gradients, which equal local training's mean.
-        (Upstream compares private logging data about bucket rebuilding.)"""
+        accumulate the same gradients, which equal local training's mean; the
+        logging data says buckets were rebuilt with the static graph only."""
         world = dist.get_world_size()
         x_of = [inputs_of(r, 20, 10) for r in range(world)]
         models = []
@@ -714,6 +760,8 @@ class PortedDDPTests:
             for _ in range(10):
                 ddp(x_of[self.rank]).sum().backward()
             models.append(ddp)
+        self.assertFalse(models[0]._get_ddp_logging_data().get("has_rebuilt_buckets", 0))
+        self.assertTrue(models[1]._get_ddp_logging_data().get("has_rebuilt_buckets", 0))
         torch.manual_seed(31415)
         local = TwoLayers(lambda x: False)
         for r, x in enumerate(x_of):
@@ -999,6 +1047,25 @@ class PortedDDPTests:
             for p, g in zip(ddp.parameters(), expected):
                 self.assertEqual(p.grad, g)
         dist.barrier()
+
+    def test_ported_ddp_compile_static_graph(self):
+        """torch.compile of the wrapper, with and without static_graph=True:
+        over 6 iterations on the same input both give the same output and the
+        same gradients. (Upstream's Linear(10, 10) on CPU; dynamo compiles no
+        graph for a bare torch.nn module, so what runs under dynamo is the
+        wrapper's own forward; tests/test_compile.py compiles real graphs.)"""
+        model = nn.Linear(10, 10)
+        model_clone = copy.deepcopy(model)
+        ddp = torch.compile(wrap(model))
+        ddp_static = torch.compile(wrap(model_clone, static_graph=True))
+        x = torch.rand(10, 10, generator=torch.Generator().manual_seed(self.rank))
+        for _ in range(6):
+            out, out_static = ddp(x).sum(), ddp_static(x).sum()
+            self.assertEqual(out, out_static)
+            out.backward()
+            out_static.backward()
+            for p, q in zip(ddp.parameters(), ddp_static.parameters(), strict=True):
+                self.assertEqual(p.grad, q.grad)
 
     def test_ported_ddp_remove_autograd_hooks(self):
         """After a backward that failed inside autograd, deleting the wrapper

@@ -23,9 +23,12 @@ UPSTREAM = [
     "test_accumulate_gradients_no_sync_grad_is_view",
     "test_accumulate_gradients_no_sync_allreduce_hook",
     "test_accumulate_gradients_no_sync_allreduce_with_then_hook",
+    "test_ddp_logging_data_cpu",
+    "test_static_graph_api_cpu",
 ]
 
-_LOGGER = "reads torch's DDP logger (_get_ddp_logging_data / ddp.logger)"
+_LOGGER = ("hands ddp.logger to torch's C++ code, which takes only its own dist.Logger "
+           "(minddp's logger, logging_data.py, is Python)")
 _SYNC_BN = "SyncBatchNorm, which torch runs on GPUs only (ValueError on CPU)"
 _MIXED = "torch-private keyword mixed_precision=_MixedPrecision(...)"
 _OPTIM_IN_BACKWARD = "torch-private _apply_optimizer_in_backward, which torch's DDP special-cases"
@@ -38,9 +41,6 @@ EXCLUDED = {
     "test_DistributedDataParallel": ("GPU device placement (device_ids, output_device); its CPU "
                                      "twin test_DistributedDataParallelCPU is selected"),
     "test_DistributedDataParallel_non_default_stream": "CUDA streams; also skipped upstream",
-    "test_ddp_comm_hook_logging": _LOGGER,
-    "test_static_graph_api_cpu": (_LOGGER + " (verify_ddp_error_logged); the RuntimeError it "
-                                  "checks first is tested in tests/test_static_graph.py"),
     "test_get_data_parallel_params": "torch-private static DDP._get_data_parallel_params",
     "test_ddp_apply_optim_in_backward": _OPTIM_IN_BACKWARD,
     "test_ddp_apply_optim_in_backward_grad_as_bucket_view_false": _OPTIM_IN_BACKWARD,
@@ -63,12 +63,11 @@ EXCLUDED = {
     "test_DistributedDataParallel_SyncBatchNorm_Diff_Input_Sizes_gradient": _SYNC_BN,
     "test_DistributedDataParallel_SyncBatchNorm_half": _SYNC_BN,
     "test_ddp_sync_bn_training_vs_eval": _SYNC_BN + "; also skipped upstream",
-    "test_sync_bn_logged": _LOGGER,
     "test_ddp_uneven_inputs_stop_iteration_sync_bn": (
         _SYNC_BN + "; its other half (a model with its own all_reduce) is ported as "
         "test_ported_ddp_uneven_inputs_stop_iteration_with_comm"),
-    "test_ddp_logging_data_cpu": _LOGGER,
-    "test_ddp_logging_data_gpu": _LOGGER,
+    "test_ddp_logging_data_gpu": ("GPU placement in the logging data (device_ids, output_device); "
+                                  "its CPU twin test_ddp_logging_data_cpu is selected"),
     "test_ddp_sync_module_states": ("tests torch.distributed.utils._sync_module_states, fed "
                                     "DDP's internal broadcast_bucket_size and parameters_to_ignore"),
     "test_ddp_profiling_autograd_profiler": _PROFILER,
@@ -94,7 +93,6 @@ EXCLUDED = {
     "test_ddp_hook_pickling_powerSGD": ("skipped upstream as flaky; checks PowerSGDState pickling "
                                         "and torch.distributed log records"),
     "test_ddp_device_mesh_initialization": "device_mesh (DTensor), needs GPUs",
-    "test_ddp_compile_static_graph": "torch.compile / dynamo's DDP support",
     "test_ddp_sink_noclone": "torch-private _set_ddp_sink_clone",
 }
 

@@ -1,0 +1,64 @@
+"""Code that constructs torch's DDP by name gets minddp's: replace_torch_ddp().
+
+    import minddp
+    minddp.replace_torch_ddp()                      # for the rest of the process
+    with minddp.replace_torch_ddp(algorithm="ring"): # or for a block
+        model = accelerator.prepare(model)
+
+Accelerate (and the HF Trainer through it) builds its wrapper as
+`torch.nn.parallel.DistributedDataParallel(model, ...)`, looked up when it is
+called, so rebinding that one name is enough, before or after the framework
+is imported. torch's own module `torch.nn.parallel.distributed` keeps its
+class: torch's internals (dynamo, its join hook) refer to it there. Code that
+tests `isinstance(model, DistributedDataParallel)` against either name
+accepts minddp's wrapper, a subclass of torch's.
+"""
+import inspect
+
+import torch.nn.parallel
+
+from minddp import ddp
+
+
+class DistributedDataParallel(ddp.DistributedDataParallel):
+    """minddp's wrapper with the keywords given to the active replace_torch_ddp()
+    as defaults (a keyword passed at construction wins)."""
+
+    keywords = {}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**type(self).keywords, **kwargs})
+
+
+# minddp's own keywords (keyword-only in the wrapper's signature).
+MINDDP_KEYWORDS = tuple(
+    name for name, p in inspect.signature(ddp.DistributedDataParallel.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+class replace_torch_ddp:
+    """Rebind `torch.nn.parallel.DistributedDataParallel` to minddp's wrapper.
+
+    `keywords` are minddp's own (algorithm=, compression=, ...), applied to
+    every wrapper built through the name. A plain call lasts for the process;
+    as a context manager, torch's class is back on exit. Call it on every rank.
+    """
+
+    def __init__(self, **keywords):
+        unknown = sorted(set(keywords) - set(MINDDP_KEYWORDS))
+        if unknown:
+            raise TypeError(f"minddp.replace_torch_ddp: unknown keyword(s) {unknown}; minddp's "
+                            f"own are {list(MINDDP_KEYWORDS)} (torch's keywords go to the "
+                            f"framework, which passes them on).")
+        self._previous = (torch.nn.parallel.DistributedDataParallel,
+                          DistributedDataParallel.keywords)
+        DistributedDataParallel.keywords = dict(keywords)
+        torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.parallel.DistributedDataParallel, DistributedDataParallel.keywords = \
+            self._previous
+        return False

@@ -1,0 +1,200 @@
+"""What frameworks reach through torch's DDP class, against torch's DDP itself.
+
+Lightning, Accelerate and the HF Trainer test `isinstance(model,
+DistributedDataParallel)` and then call torch-private parts of the wrapper and
+its reducer. Each case runs the same script on torch's DDP and on minddp's and
+compares the weights; both ranks must also end bitwise equal.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import minddp
+from dist_harness import run_world
+from models import BatchNormNet
+
+
+def _wrap(kind, model, **kwargs):
+    if kind == "torch":
+        return TorchDDP(model, **kwargs)
+    return minddp.DDP(model, algorithm="native", **kwargs)
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+
+
+def _gathered(tensor):
+    out = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor.contiguous())
+    return out
+
+
+def _weights(model):
+    """Parameters first, then buffers (which torch does not keep equal when a
+    forward switches sync off: the next forward broadcasts none)."""
+    return ([p.detach().clone() for p in model.parameters()],
+            [b.detach().clone() for b in model.buffers()])
+
+
+def _manual_lightning_style(rank, world_size, kind):
+    """Lightning's manual optimisation: the backward runs inside the wrapper's
+    forward, after Lightning's own prepare_for_backward(model, loss), and sync
+    is switched off at the end of the inner forward and on after the outer one
+    (lightning.pytorch.strategies.ddp); its calls are copied here."""
+    class Step(nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+            self.ddp = None
+
+        def forward(self, x, y):
+            loss = nn.functional.mse_loss(self.net(x), y)
+            ddp = self.ddp[0]
+            if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
+                ddp.require_forward_param_sync = True
+                ddp.reducer._rebuild_buckets()
+                ddp.reducer.prepare_for_backward([])
+            loss.backward()
+            ddp.require_backward_grad_sync = False  # Lightning: the reducer's work is done
+            return loss.detach()
+
+    torch.manual_seed(0)
+    step = Step(BatchNormNet())
+    ddp = _wrap(kind, step)
+    step.ddp = [ddp]  # a list: not registered as a submodule
+    assert isinstance(ddp, TorchDDP)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for i in range(4):
+        opt.zero_grad()
+        ddp(*_batch(rank, i))
+        ddp.require_backward_grad_sync = True  # Lightning, after the outer forward
+        opt.step()
+    return _weights(step.net)
+
+
+def _closure_inside_forward(rank, world_size, kind):
+    """A backward inside the forward with no framework around it: minddp
+    synchronises it from the first step (torch's reducer raises there)."""
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = BatchNormNet()
+
+        def forward(self, x, y):
+            loss = nn.functional.mse_loss(self.net(x), y)
+            loss.backward()
+            return loss.detach()
+
+    torch.manual_seed(0)
+    ddp = _wrap(kind, Step())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for i in range(3):
+        opt.zero_grad()
+        ddp(*_batch(rank, i))
+        opt.step()
+    params, _ = _weights(ddp.module)  # buffers differ after any forward, as under torch
+    return [torch.equal(a, b) for t in params for a, b in [_gathered(t)]]
+
+
+def _trigger_sync_in_backward(rank, world_size, kind):
+    """Accelerate's trigger_sync_in_backward: the forward runs under no_sync, then
+    the flags are set and reducer.prepare_for_backward([]) arms the backward."""
+    torch.manual_seed(0)
+    ddp = _wrap(kind, BatchNormNet())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for i in range(3):
+        opt.zero_grad()
+        x, y = _batch(rank, i)
+        with ddp.no_sync():
+            loss = nn.functional.mse_loss(ddp(x), y)
+        ddp.require_backward_grad_sync = True
+        ddp.require_forward_param_sync = True
+        ddp.reducer.prepare_for_backward([])
+        loss.backward()
+        opt.step()
+    return _weights(ddp.module)
+
+
+def _sync_switched_off_in_forward(rank, world_size, kind):
+    """torch reads require_backward_grad_sync after the module's forward."""
+    class Off(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.ddp = nn.Linear(2, 2), None
+
+        def forward(self, x):
+            self.ddp[0].require_backward_grad_sync = False
+            return self.fc(x)
+
+    module = Off()
+    ddp = _wrap(kind, module)
+    module.ddp = [ddp]
+    ddp(torch.ones(1, 2))
+    return ddp.require_forward_param_sync
+
+
+@pytest.mark.parametrize("case", [_manual_lightning_style, _trigger_sync_in_backward])
+def test_framework_calls_into_the_reducer_train_as_torch(case):
+    theirs = run_world(case, 2, "torch")
+    ours = run_world(case, 2, "minddp")
+    for rank in range(2):
+        for a, b in zip(sum(theirs[rank], []), sum(ours[rank], [])):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+    for a, b in zip(ours[0][0], ours[1][0]):
+        assert torch.equal(a, b), "ranks ended with different parameters"
+
+
+def test_backward_inside_forward_is_synchronised():
+    assert all(all(equal) for equal in run_world(_closure_inside_forward, 2, "minddp"))
+
+
+def test_sync_flag_is_read_after_the_forward_as_torch():
+    assert run_world(_sync_switched_off_in_forward, 1, "torch") == [False]
+    assert run_world(_sync_switched_off_in_forward, 1, "minddp") == [False]
+
+
+def _replaced(rank, world_size):
+    with minddp.replace_torch_ddp(algorithm="ring") as _:
+        built = torch.nn.parallel.DistributedDataParallel(nn.Linear(3, 3))
+    after = torch.nn.parallel.DistributedDataParallel(nn.Linear(3, 3))
+    return (type(built).__module__, built.algorithm, isinstance(built, TorchDDP),
+            type(after).__module__)
+
+
+def test_replace_torch_ddp_builds_minddp_and_restores_torch():
+    built_in, algorithm, is_torch_ddp, after = run_world(_replaced, 2)[0]
+    assert built_in.startswith("minddp") and algorithm == "ring" and is_torch_ddp
+    assert after == "torch.nn.parallel.distributed"
+
+
+def test_replace_torch_ddp_refuses_unknown_keywords():
+    with pytest.raises(TypeError, match="unknown keyword"):
+        minddp.replace_torch_ddp(find_unused_parameters=True)
+    assert torch.nn.parallel.DistributedDataParallel is TorchDDP
+
+
+def _private_surface(rank, world_size):
+    ddp = minddp.DDP(nn.Linear(3, 3))
+    errors = {}
+    for call in (lambda: ddp._sync_buffers(), lambda: ddp.join_hook(),
+                 lambda: torch.distributed.algorithms.Join([ddp]).__enter__()):
+        try:
+            call()
+        except NotImplementedError as e:
+            errors[len(errors)] = str(e)
+    ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    ddp(torch.ones(2, 3)).sum().backward()
+    return errors, copy.deepcopy(ddp.module).weight.grad is not None
+
+
+def test_torch_private_methods_minddp_lacks_raise_clearly():
+    errors, _ = run_world(_private_surface, 1)[0]
+    assert len(errors) == 3, errors
+    assert "_sync_buffers" in errors[0] and "minddp" in errors[0]
+    assert "ddp.join()" in errors[1] and "ddp.join()" in errors[2]
