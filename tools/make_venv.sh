@@ -3,9 +3,13 @@
 #
 # Where `python3` can already import torch (the GPU machine: torch with CUDA,
 # no network), the venv reuses that torch through a .pth file and installs
-# offline. Elsewhere it installs the CPU build torch==2.13.0 (a wheel on the
-# machine's disk) and the few test/bench dependencies from PyPI. Nothing here
-# may pull a CUDA build of torch.
+# offline, without the framework packages (their tests skip, saying so).
+# Elsewhere it installs the CPU build torch==2.13.0 (a wheel on the machine's
+# disk) and the test/bench dependencies from PyPI, among them the frameworks
+# minddp is tested inside (tests/test_frameworks.py), pinned to versions that
+# work with torch 2.13. They go in the same pip command as torch, so pip never
+# swaps the CPU torch for a CUDA build to satisfy them (a dry run resolves no
+# nvidia-* or triton package). Nothing here may pull a CUDA build of torch.
 set -euo pipefail
 VENV=${1:-.venv}
 PYTHON=${PYTHON:-python3}
@@ -20,7 +24,8 @@ if "$PYTHON" -c "import torch" 2>/dev/null; then
 else
     echo "make_venv: installing torch==2.13.0 (CPU build) and test dependencies"
     "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -q torch==2.13.0 numpy matplotlib pytest expecttest ninja setuptools wheel
+    "$VENV/bin/python" -m pip install -q torch==2.13.0 numpy matplotlib pytest expecttest ninja setuptools wheel \
+        lightning==2.6.6 accelerate==1.15.0 transformers==5.24.0
     "$VENV/bin/python" -m pip install --no-build-isolation --no-deps -e .
 fi
 "$VENV/bin/python" -c "import minddp, torch; print('make_venv: minddp ready with torch', torch.__version__)"
