@@ -536,7 +536,10 @@ class Reducer:
                 f"rank's does. A rank skipped a backward (an exception inside backward, "
                 f"caught and ignored) or ran a different number of forwards with gradients "
                 f"enabled outside no_sync(); every rank must run the same synced forwards "
-                f"and backwards. No gradient of this backward was written")
+                f"and backwards. No gradient of this backward was written" +
+                ("" if not any(b.sparse for b in self.buckets) else
+                 " (sparse gradients were divided by the world size in place, as torch's DDP "
+                 "divides them before reducing)"))
 
     def _replicas_agreed(self):
         """Raise (on every rank alike) if this backward's replica check, where it
