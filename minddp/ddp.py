@@ -312,8 +312,7 @@ class DistributedDataParallel(TorchDDP):
     def forward(self, *inputs, **kwargs):
         with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
             inputs, kwargs = self._pre_forward(*inputs, **kwargs)
-            with self.reducer.inside_forward(self._divisor, self._sync_wanted), \
-                    _compiled_in_buckets(self):
+            with _compiled_in_buckets(self):
                 outputs = self.module(*inputs, **kwargs)
             return self._post_forward(outputs)
 
@@ -354,9 +353,6 @@ class DistributedDataParallel(TorchDDP):
         if self.reducer.find_unused or self.reducer.in_first_static_iteration:
             outputs = _through_sink(outputs, weakref.ref(self.reducer))
         return outputs
-
-    def _sync_wanted(self):
-        return self.require_backward_grad_sync
 
     # -- the torch API around the reducer ---------------------------------------
     def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
@@ -429,6 +425,13 @@ class DistributedDataParallel(TorchDDP):
         """Note the error in the logging data, then raise it (torch's helper)."""
         self.logger.set_error_and_log(f"{err_type}: {err_msg}")
         raise err_type(err_msg)
+
+    # Read by torch's inherited scatter / to_kwargs; minddp moves inputs itself.
+    use_side_stream_for_tensor_copies = False
+
+    @property
+    def device_type(self):
+        return self.device.type
 
     def _check_reducer_finalized(self):
         """torch's private check that no backward is half way through."""
@@ -507,6 +510,7 @@ _TORCH_PRIVATE_NOT_PROVIDED = (
     "_check_sync_bufs_post_fwd", "_check_sync_bufs_pre_fwd", "will_sync_module_buffers",
     "_find_common_rank", "_sync_buffers", "_sync_module_buffers", "_default_broadcast_coalesced",
     "_passing_sync_batchnorm_handle", "_set_sparse_metadata", "_update_process_group",
+    "_set_ddp_sink_clone",
 )
 
 

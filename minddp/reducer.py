@@ -34,7 +34,6 @@ backward; later a parameter is ready once its gradient has arrived that many
 times (reentrant checkpointing runs backward through a segment more than
 once), and the parameters the first iteration did not use are ready at once.
 """
-import contextlib
 import enum
 import math
 import threading
@@ -106,7 +105,6 @@ class Reducer:
         self._static_counts = None   # static_graph: gradients per parameter per iteration
         self._global_used = None     # static_graph: the first iteration's used map
         self._warned_create_graph = False
-        self._forward = None         # (divisor, sync_wanted) while the module's forward runs
         self._handles = _hook_parameters(self)
 
     # -- forward -----------------------------------------------------------------
@@ -145,33 +143,6 @@ class Reducer:
         if self.phase is Phase.RUNNING and self.in_first_static_iteration:
             self._reduce_all_at_end()
 
-    @contextlib.contextmanager
-    def inside_forward(self, divisor, sync_wanted):
-        """The wrapper's module runs inside: a backward that starts there (Lightning's
-        manual optimisation, an optimizer closure) while `sync_wanted()` holds
-        synchronises as if the forward had ended first, instead of being left
-        local on the first iteration as torch's reducer leaves it. An arm left by
-        an earlier forward with no backward after it belongs to that forward's
-        outputs, not to anything this forward computes: it is dropped."""
-        if self.phase is Phase.ARMED:
-            self.phase = Phase.IDLE
-        self._forward = (divisor, sync_wanted)
-        try:
-            yield
-        finally:
-            self._forward = None
-
-    def _arm_inside_forward(self):
-        divisor, _ = self._forward
-        if self.find_unused:
-            raise RuntimeError(
-                f"minddp (rank {self.rank}): a backward started inside the wrapper's forward "
-                f"with find_unused_parameters=True; minddp needs the tensors it starts from "
-                f"to find the unused parameters. Call ddp.reducer.prepare_for_backward("
-                f"[loss]) just before that backward (Lightning does), or run the backward "
-                f"after the forward returns.")
-        self.prepare_for_backward([], divisor)
-
     def set_reduction(self, reduction):
         """Reduce buckets through `reduction` from the next backward on."""
         if self.phase is Phase.RUNNING:
@@ -202,8 +173,6 @@ class Reducer:
             # Marked even outside a synced backward: a parameter used under
             # no_sync() counts as used at the next synced step.
             self.local_used[index] = 1
-        if self.phase is Phase.IDLE and self._forward is not None and self._forward[1]():
-            self._arm_inside_forward()
         if self.phase is Phase.ARMED:
             self._start()
         elif self.phase is not Phase.RUNNING:
@@ -235,9 +204,7 @@ class Reducer:
         self._next = 0
         self._used_future = self._used_reduced = self._step_sums = None
         self._step_future = self._check_step(self.forwards)
-        # Before any bucket: it precedes bucket 0 on the gradient group (replicas.py).
-        self._replica_future = (self.replicas.launch(self.forwards)
-                                if self.replicas is not None else None)
+        self._replica_future = None  # launched at finalize (replicas.py)
         self._measuring = self.recorder is not None and self.recorder.measuring(self.forwards)
         if self._measuring:
             self.recorder.begin()
@@ -379,7 +346,7 @@ class Reducer:
             result = self._collect(b)
             if b == 0:
                 self._step_agreed()  # before any .grad is written
-                self._replicas_agreed()
+                self._launch_replica_check()
             if bucket.sparse:  # .grad is the bucket: the sum goes into it, as in torch
                 if result is not bucket.buffer:
                     bucket.buffer.copy_(result)
@@ -391,6 +358,7 @@ class Reducer:
                 self._write_grad(bucket.params[slot], views[slot])
         if self._used_future is not None:
             self._used_map()  # its reduction must not outlive the iteration
+        self._replicas_agreed()
         if self.find_unused:
             self.local_used.zero_()  # the next accumulation starts afresh
 
@@ -541,6 +509,15 @@ class Reducer:
                  " (sparse gradients were divided by the world size in place, as torch's DDP "
                  "divides them before reducing)"))
 
+    def _launch_replica_check(self):
+        """Queue this step's replica check, where one is due, behind every bucket and
+        the used map. Only once the step check has agreed: whether a check is due
+        follows the count of synced forwards, the very thing that differs between
+        ranks when the step check fails, and a check due on one rank only would
+        pair its gather with a peer's bucket."""
+        if self.replicas is not None:
+            self._replica_future = self.replicas.launch(self.forwards)
+
     def _replicas_agreed(self):
         """Raise (on every rank alike) if this backward's replica check, where it
         ran one, found the ranks' weights different (replicas.py)."""
@@ -622,11 +599,12 @@ class Reducer:
         futures = []
         if self.sum_step is not None and not self._carried():
             futures.append(self.sum_step(torch.zeros(3, dtype=torch.int64)))
-        replica = (self.replicas.launch(self.forwards, present=False)  # not compared
-                   if self.replicas is not None else None)
         futures += [self._launch(b) for b in range(len(self.buckets))]
         if self.find_unused or self.in_first_static_iteration:
             futures.append(self.count_used(torch.zeros_like(self.local_used)))
+        # Where the training ranks queue it (finalize): behind the buckets and the map.
+        replica = (self.replicas.launch(self.forwards, present=False)  # not compared
+                   if self.replicas is not None else None)
         for future in futures:
             self._wait(future, "the buckets (joined rank, zeros)")
         if replica is not None:  # the training ranks raise on a mismatch: so does this one

@@ -28,25 +28,26 @@ batch (BatchNorm's running statistics), so they differ legitimately at
 backward. Without it they are never re-synchronised and may differ by design.
 
 Where it runs, so that every rank issues it at the same point among the
-wrapper's other collectives: at the start of a synced backward
-(reducer._start), the reducer submits it to the communication engine before
-any bucket, so on the gradient group's FIFO it precedes bucket 0 on every
-rank. The job computes the checksums on the communication thread (the
-parameters do not change during backward; the optimizer steps after it) and
+wrapper's other collectives: in finalize, once bucket 0's step check has
+agreed (reducer._launch_replica_check), the reducer submits it to the
+communication engine, behind every bucket and the used-parameter map on the
+gradient group's FIFO. Not earlier: whether a check is due follows the count
+of synced forwards, which is exactly what differs between ranks when the step
+check fails, and a check due on one rank only would pair its gather with a
+peer's bucket. The job computes the checksums on the communication thread
+(while finalize writes .grad; the optimizer steps only after backward) and
 all-gathers one row per rank: [present, checksum of each parameter], world x
-(1 + parameters) int64 in all. Finalize waits for it after bucket 0 and the
-step check, before any .grad is written: a mismatch raises from backward on
-every rank with the same message (every rank reads the same gathered rows),
-and the wrapper is broken from then on, as after any failed backward. The
-wait is bounded like a bucket's (the group's timeout, a peer's note): never
-a hang. Due steps are counted in synced forwards, which the step check
-keeps equal on every rank.
+(1 + parameters) int64 in all. Finalize waits for it at its end: a mismatch
+raises from backward on every rank with the same message (every rank reads
+the same gathered rows), and the wrapper is broken from then on, as after any
+failed backward. The wait is bounded like a bucket's (the group's timeout, a
+peer's note): never a hang.
 
 - no_sync(): its backwards communicate nothing and are not counted; the check
   runs at synced steps only, when accumulation has ended and the weights were
   last updated from the same averaged gradients.
-- static_graph: the first backward starts at the wrapper's output (the sink)
-  and reduces at its end; the check is submitted at that start all the same.
+- static_graph: the first backward reduces everything at its end, and its
+  finalize submits the check as any other.
 - a comm hook: it communicates on its own group; the check is on the gradient
   group, in its place before the buckets there, and does not touch the hook.
 - join(): a rank that has joined shadows the check (reducer.shadow_backward)
@@ -205,12 +206,16 @@ class ReplicaCheck:
             f"optimizer step or in-place update run on some ranks but not others (code under "
             f"`if rank == 0`), a learning rate, optimizer state or random seed that differs "
             f"between ranks, a checkpoint loaded on some ranks after wrapping, an update that "
-            f"uses something other than the averaged .grad, ranks on different hardware or "
+            f"uses something other than the averaged .grad, a backward run inside the "
+            f"wrapper's forward before anything armed its reducer (it stays local, as under "
+            f"torch's DDP: call ddp.reducer.prepare_for_backward([]) first, as Lightning "
+            f"does), ranks on different hardware or "
             f"library versions computing the update differently, or a hardware fault (a "
             f"flipped bit in memory). Fix: apply the same update on every rank (load "
             f"checkpoints before wrapping the model, or on every rank); restart from a "
-            f"checkpoint if it was a hardware fault. No gradient of this backward was "
-            f"written. check_replicas=N sets how many synced steps apart the check runs "
+            f"checkpoint if it was a hardware fault. This backward's gradients were written "
+            f"(averaged as usual). check_replicas=N sets how many synced steps apart the "
+            f"check runs "
             f"(0 turns it off).")
 
 

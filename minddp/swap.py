@@ -9,9 +9,11 @@ Accelerate (and the HF Trainer through it) builds its wrapper as
 `torch.nn.parallel.DistributedDataParallel(model, ...)`, looked up when it is
 called, so rebinding that one name is enough, before or after the framework
 is imported. torch's own module `torch.nn.parallel.distributed` keeps its
-class: torch's internals (dynamo, its join hook) refer to it there. Code that
-tests `isinstance(model, DistributedDataParallel)` against either name
-accepts minddp's wrapper, a subclass of torch's.
+class: torch's internals (dynamo, its join hook) refer to it there. Every
+minddp wrapper passes `isinstance(model, DistributedDataParallel)` against
+torch's class; while the name is rebound, the check through the name holds
+for the wrappers built through it (the class below), which is what the
+frameworks that build through it then test.
 """
 import inspect
 

@@ -82,8 +82,9 @@ def _train(rank, wrap, model, compiled, kwargs, hook, first_no_sync, backend):
         if first_no_sync and step == 0:
             with ddp.no_sync():
                 run(_batch(rank, step, 4, 6)).square().sum().backward()
-            continue
-        opt.zero_grad()
+            continue  # accumulated: the next step's synced backward adds to it
+        if not (first_no_sync and step == 1):
+            opt.zero_grad()
         run(_batch(rank, step, 4, 6)).square().sum().backward()
         grads = [None if p.grad is None else p.grad.clone() for p in ddp.parameters()]
         opt.step()

@@ -175,7 +175,8 @@ def test_runtime_stats_measure_minddps_iteration():
     spans it overlaps; a hook's name is its __qualname__; static_graph is logged."""
     for data, hook_name, static in run_world(_timings, 2, timeout=60):
         assert data["iteration"] == 2
-        assert Slow.SLEEP * 1e9 <= data["forward_compute_time"] < 10 * Slow.SLEEP * 1e9
+        # No upper bound: a loaded machine may stretch the forward arbitrarily.
+        assert Slow.SLEEP * 1e9 <= data["forward_compute_time"]
         assert data["avg_forward_compute_time"] >= Slow.SLEEP * 1e9
         assert (data["forward_compute_time_start"] <= data["backward_compute_time_start"]
                 <= data["backward_comm_time_start"] <= data["backward_compute_time_end"]

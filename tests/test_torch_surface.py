@@ -5,8 +5,6 @@ DistributedDataParallel)` and then call torch-private parts of the wrapper and
 its reducer. Each case runs the same script on torch's DDP and on minddp's and
 compares the weights; both ranks must also end bitwise equal.
 """
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp
+from minddp.replicas import ReplicasDiverged
 from dist_harness import run_world
 from models import BatchNormNet
 
@@ -78,9 +77,10 @@ def _manual_lightning_style(rank, world_size, kind):
     return _weights(step.net)
 
 
-def _closure_inside_forward(rank, world_size, kind):
-    """A backward inside the forward with no framework around it: minddp
-    synchronises it from the first step (torch's reducer raises there)."""
+def _closure_inside_forward(rank, world_size):
+    """A backward inside the forward with nothing arming the reducer: local on the
+    first step, as under torch's DDP, so the ranks' weights part; the replica
+    check (at synced step 1, the second step's backward) must say so on every rank."""
     class Step(nn.Module):
         def __init__(self):
             super().__init__()
@@ -92,14 +92,16 @@ def _closure_inside_forward(rank, world_size, kind):
             return loss.detach()
 
     torch.manual_seed(0)
-    ddp = _wrap(kind, Step())
+    ddp = minddp.DDP(Step(), algorithm="native")
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for i in range(3):
-        opt.zero_grad()
-        ddp(*_batch(rank, i))
-        opt.step()
-    params, _ = _weights(ddp.module)  # buffers differ after any forward, as under torch
-    return [torch.equal(a, b) for t in params for a, b in [_gathered(t)]]
+    try:
+        for i in range(3):
+            opt.zero_grad()
+            ddp(*_batch(rank, i))
+            opt.step()
+    except ReplicasDiverged as e:
+        return i, str(e)
+    return None
 
 
 def _trigger_sync_in_backward(rank, world_size, kind):
@@ -144,14 +146,18 @@ def test_framework_calls_into_the_reducer_train_as_torch(case):
     theirs = run_world(case, 2, "torch")
     ours = run_world(case, 2, "minddp")
     for rank in range(2):
-        for a, b in zip(sum(theirs[rank], []), sum(ours[rank], [])):
+        for a, b in zip(sum(theirs[rank], []), sum(ours[rank], []), strict=True):
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
-    for a, b in zip(ours[0][0], ours[1][0]):
+    for a, b in zip(ours[0][0], ours[1][0], strict=True):
         assert torch.equal(a, b), "ranks ended with different parameters"
 
 
-def test_backward_inside_forward_is_synchronised():
-    assert all(all(equal) for equal in run_world(_closure_inside_forward, 2, "minddp"))
+def test_unarmed_backward_inside_forward_is_caught_on_every_rank():
+    results = run_world(_closure_inside_forward, 2)
+    assert all(r is not None for r in results), f"a rank trained on apart: {results}"
+    assert [step for step, _ in results] == [1, 1], results
+    same = [message.split(": ", 1)[1] for _, message in results]  # past "minddp (rank r)"
+    assert same[0] == same[1] and "inside the wrapper's forward" in same[0]
 
 
 def test_sync_flag_is_read_after_the_forward_as_torch():
@@ -190,11 +196,53 @@ def _private_surface(rank, world_size):
             errors[len(errors)] = str(e)
     ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
     ddp(torch.ones(2, 3)).sum().backward()
-    return errors, copy.deepcopy(ddp.module).weight.grad is not None
+    return errors, ddp._get_ddp_logging_data().get("comm_hook"), ddp.module.weight.grad
 
 
 def test_torch_private_methods_minddp_lacks_raise_clearly():
-    errors, _ = run_world(_private_surface, 1)[0]
+    errors, hook, grad = run_world(_private_surface, 1)[0]
+    assert hook == str(dist.BuiltinCommHookType.FP16_COMPRESS)
+    assert torch.equal(grad, torch.full((3, 3), 2.0)), grad  # the built-in hook reduced it
     assert len(errors) == 3, errors
     assert "_sync_buffers" in errors[0] and "minddp" in errors[0]
     assert "ddp.join()" in errors[1] and "ddp.join()" in errors[2]
+
+
+def _double_wrap(rank, world_size):
+    errors = []
+    try:
+        TorchDDP(minddp.DDP(nn.Linear(3, 3), algorithm="native"))(torch.ones(2, 3))
+    except RuntimeError as e:
+        errors.append(str(e))
+    try:
+        minddp.DDP(TorchDDP(nn.Linear(3, 3)))
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_a_ddp_wrapped_in_a_ddp_is_refused_on_every_rank():
+    for errors in run_world(_double_wrap, 2):
+        assert len(errors) == 2, errors
+        assert "reduced twice" in errors[0] and "replace_torch_ddp" in errors[0]
+        assert "already a DistributedDataParallel" in errors[1]
+
+
+# torch's methods that read only what minddp's wrapper also has: inherited as they are.
+HARMLESS = {"scatter", "gather", "to_kwargs", "train", "_check_comm_hook", "_check_default_group",
+            "_get_data_parallel_params", "join_device", "join_process_group",
+            "_distributed_rank", "_get_active_ddp_module", "_inside_ddp_forward"}
+
+
+def test_every_torch_method_is_minddps_refused_or_harmless():
+    """A torch release that adds a method to its DDP fails here until it is sorted."""
+    from minddp.ddp import _TORCH_PRIVATE_NOT_PROVIDED
+    ours = vars(minddp.DistributedDataParallel)
+    unsorted = [name for name, value in vars(TorchDDP).items()
+                if callable(value) or isinstance(value, (property, classmethod, staticmethod))
+                if not name.startswith("__") and name not in ours and name not in HARMLESS]
+    assert not unsorted, f"torch DDP methods neither minddp's, refused nor harmless: {unsorted}"
+    assert set(_TORCH_PRIVATE_NOT_PROVIDED) <= set(ours)
+    ddp = object.__new__(minddp.DistributedDataParallel)
+    with pytest.raises(NotImplementedError, match="_set_ddp_sink_clone"):
+        ddp._set_ddp_sink_clone(False)
