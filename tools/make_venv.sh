@@ -4,7 +4,7 @@
 # Where `python3` can already import torch (the GPU machine: torch with CUDA,
 # no network), the venv reuses that torch through a .pth file and installs
 # offline, without the framework packages (their tests skip, saying so).
-# Elsewhere it installs the CPU build torch==2.13.0 (a wheel on the machine's
+# Elsewhere it installs the CPU build torch==2.13.0+cpu (a wheel on the machine's
 # disk) and the test/bench dependencies from PyPI, among them the frameworks
 # minddp is tested inside (tests/test_frameworks.py), pinned to versions that
 # work with torch 2.13. They go in the same pip command as torch, so pip never
@@ -22,9 +22,11 @@ if "$PYTHON" -c "import torch" 2>/dev/null; then
         > "$site/_minddp_parent.pth"
     "$VENV/bin/python" -m pip install --no-build-isolation --no-deps --no-index -e . 
 else
-    echo "make_venv: installing torch==2.13.0 (CPU build) and test dependencies"
+    echo "make_venv: installing torch==2.13.0+cpu and test dependencies"
     "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -q torch==2.13.0 numpy matplotlib pytest expecttest ninja setuptools wheel \
+    # The local version "+cpu" pins the CPU build: where pip knows no such wheel (plain
+    # PyPI) it stops with an error instead of taking the CUDA build; README says what to set.
+    "$VENV/bin/python" -m pip install -q torch==2.13.0+cpu numpy matplotlib pytest expecttest ninja setuptools wheel \
         lightning==2.6.6 accelerate==1.15.0 transformers==5.24.0
     "$VENV/bin/python" -m pip install --no-build-isolation --no-deps -e .
 fi
