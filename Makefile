@@ -1,4 +1,4 @@
-# make test   set up .venv (first time) and run the test suite
+# make test   set up .venv (first time) and run the test suite (in TEST_WORKERS=3 pytest workers)
 # make bench  set up .venv (first time) and run the side-by-side benchmark
 # make docs   regenerate docs/results.md and the tables of README and docs/performance.md
 # make results  rerun the benchmarks behind docs/results.md (about 5 minutes on 2 cores)
@@ -15,8 +15,12 @@ $(STAMP): setup.py tools/make_venv.sh $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*
 	bash tools/make_venv.sh $(VENV)
 	touch $@
 
+# The tests run in TEST_WORKERS pytest workers (pytest-xdist, which tools/make_venv.sh
+# installs; TEST_WORKERS=0: in one process, as where the venv has no xdist, the offline GPU
+# machine). Three on two cores, as tests spend part of their time waiting on a timeout or a peer.
+TEST_WORKERS ?= 3
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS)")
 
 RUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 bench: $(STAMP)

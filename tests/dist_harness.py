@@ -26,8 +26,21 @@ import traceback
 
 _CTX = mp.get_context("forkserver")
 # The fork server imports torch once; every world is then forked from a process
-# that never ran a torch op, which is both fast and safe with OpenMP.
-_CTX.set_forkserver_preload(["torch", "torch.distributed"])
+# that never ran a torch op, which is both fast and safe with OpenMP. What the
+# server has imported, every rank has for free; what it has not, every rank of
+# every world imports again. So it also imports:
+# - torch._dynamo (with sympy): about 1.8 s of CPU, which torch spends on the
+#   first forward through minddp's or torch's DDP and on the first optimizer,
+#   so in nearly every rank; preloading it halves the suite's CPU time;
+# - pytest and minddp, which every rank imports with its test's module (the
+#   one that defines its function), and matplotlib.pyplot (benchmark and
+#   example tests).
+# None of them runs a torch op or starts a thread. Names only: the server of
+# Python 3.11 does not get the tests' sys.path. One that is missing is skipped
+# (ImportError); one that fails otherwise stops the server, and its traceback
+# shows in the captured stderr of the test that started it.
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "pytest", "minddp",
+                             "matplotlib.pyplot"])
 
 
 class WorldFailed(AssertionError):

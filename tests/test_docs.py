@@ -1,6 +1,7 @@
 """The README and docs/ stay true: every command they show names a script, flags and make
 targets that exist, every path and link they give exists, and the generated results are
 in step with the result files they come from."""
+import functools
 import glob
 import os
 import re
@@ -78,12 +79,20 @@ def test_command_exists(page, words):
     if script.endswith(".sh"):  # multinode.sh hands its flags to $SCRIPT (compare.py)
         chosen = [w.split("=", 1)[1] for w in words if w.startswith("SCRIPT=")]
         script = chosen[0] if chosen else "benchmarks/compare.py"
-    helptext = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=120)
-    assert helptext.returncode == 0, helptext.stderr
+    returncode, stdout, stderr = _help(script)
+    assert returncode == 0, stderr
     for flag in flags:
-        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", helptext.stdout), \
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", stdout), \
             f"{page}: {script} has no option {flag}"
+
+
+@functools.lru_cache(maxsize=None)
+def _help(script):
+    """(exit status, stdout, stderr) of `python script --help`: run once per script, not
+    once per command that uses it (each run imports torch, seconds of CPU)."""
+    done = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    return done.returncode, done.stdout, done.stderr
 
 
 def test_paths_and_links_exist():

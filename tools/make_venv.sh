@@ -26,7 +26,7 @@ else
     "$PYTHON" -m venv "$VENV"
     # The local version "+cpu" pins the CPU build: where pip knows no such wheel (plain
     # PyPI) it stops with an error instead of taking the CUDA build; README says what to set.
-    "$VENV/bin/python" -m pip install -q torch==2.13.0+cpu numpy matplotlib pytest expecttest ninja setuptools wheel \
+    "$VENV/bin/python" -m pip install -q torch==2.13.0+cpu numpy matplotlib pytest pytest-xdist expecttest ninja setuptools wheel \
         lightning==2.6.6 accelerate==1.15.0 transformers==5.24.0
     "$VENV/bin/python" -m pip install --no-build-isolation --no-deps -e .
 fi
