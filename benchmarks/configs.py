@@ -49,6 +49,8 @@ CONFIGS.update({
     # (minddp/replicas.py), these every synced step and never
     "minddp_native_replicas": ("minddp", "native", None, {"check_replicas": 1}),
     "minddp_native_noreplicas": ("minddp", "native", None, {"check_replicas": 0}),
+    # torch's opt-in batched copies (one _foreach_copy_ and one div_ per bucket)
+    "torch_ddp_batched": ("torch", None, {"batched_grad_copy": True}),
 })
 
 
@@ -175,7 +177,8 @@ def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False,
             config.model = model
         elif kind == "torch":
             config.model = TorchDDP(model, device_ids=device_ids, bucket_cap_mb=cap,
-                                    gradient_as_bucket_view=as_view)
+                                    gradient_as_bucket_view=as_view,
+                                    **(how[1] if len(how) > 1 else {}))
             if how[0] == "powersgd":
                 state = powerSGD_hook.PowerSGDState(
                     process_group=None, matrix_approximation_rank=POWERSGD.rank,

@@ -5,9 +5,9 @@
 - `MLP`: 8 x Linear(1024), little compute per byte of gradient, so it is the
   communication-heavy case.
 - `ConvNet`: a small CNN with BatchNorm (buffers to broadcast).
-- `narrow`: the same MLP 32 layers deep and 64 wide: 64 small parameters and
-  almost no compute, so a step is mostly what the wrapper costs per parameter
-  (what a GPU step of a few milliseconds sees of it), best with one rank.
+- `narrow`: 48 blocks of Linear(64, 64) + LayerNorm(64) + ReLU, batch 16: 192
+  small parameters and almost no compute, so a step is mostly what the wrapper
+  costs per parameter (what a GPU step of a few milliseconds sees of it).
 - `charlm` and `charmlp` (charlm.py): next-byte prediction on the standard
   library's sources, a loss that means something (time_to_loss.py); a
   transformer (compute-heavy) and an MLP (communication-heavy).
@@ -89,6 +89,14 @@ class MLP(nn.Sequential):
         super().__init__(*layers)
 
 
+class Narrow(nn.Sequential):
+    def __init__(self, width=64, blocks=48):
+        layers = []
+        for _ in range(blocks):
+            layers += [nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU()]
+        super().__init__(*layers)
+
+
 class ConvNet(nn.Module):
     def __init__(self, classes=10):
         super().__init__()
@@ -144,7 +152,7 @@ WORKLOADS = {
     "transformer": Workload("transformer", SimpleTransformer, _text_batch, lm_loss, 8),
     "mlp": Workload("mlp", MLP, _mlp_batch, F.mse_loss, 32),
     "convnet": Workload("convnet", ConvNet, _image_batch, F.cross_entropy, 32),
-    "narrow": Workload("narrow", lambda: MLP(width=64, depth=32), _narrow_batch, F.mse_loss, 8),
+    "narrow": Workload("narrow", Narrow, _narrow_batch, F.mse_loss, 16),
     "charlm": Workload("charlm", charlm.CharLM, charlm.batch, charlm.loss, 16),
     "charmlp": Workload("charmlp", charlm.CharMLP, charlm.mlp_batch, charlm.loss, 128),
 }

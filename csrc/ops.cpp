@@ -1,24 +1,22 @@
-// The one registration file: op schemas (TORCH_LIBRARY) and one implementation
-// block per device (TORCH_LIBRARY_IMPL). Importing minddp._C runs these.
-#include <Python.h>
-#include <torch/library.h>
+// The one registration file: the Python module, op schemas (TORCH_LIBRARY) and
+// one implementation block per device (TORCH_LIBRARY_IMPL).
+#include <torch/extension.h>
 
 #include "compress.h"
 
 #include "cpu_kernels.h"
 
-// minddp._C is a plain Python module with no functions: its job is to be
-// importable so that loading it registers the ops under torch.ops.minddp.
-// Its one attribute, cpu_isa, names the CPU kernels in use ("avx512", "avx2"
-// or "scalar"), for benchmarks and tests.
-extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  PyObject* m = PyModule_Create(&module);
-  if (m && PyModule_AddStringConstant(m, "cpu_isa", minddp::isa_name(minddp::cpu_isa())) < 0) {
-    Py_DECREF(m);
-    return nullptr;
-  }
-  return m;
+namespace minddp {
+void bind_readiness(pybind11::module& m);  // readiness.cpp
+}
+
+// Importing minddp._C registers the ops under torch.ops.minddp. The module
+// itself holds cpu_isa, the CPU kernels in use ("avx512", "avx2" or
+// "scalar"), for benchmarks and tests, and Readiness, the reducer's gradient
+// hooks in C++ (minddp/readiness.py).
+PYBIND11_MODULE(_C, m) {
+  m.attr("cpu_isa") = minddp::isa_name(minddp::cpu_isa());
+  minddp::bind_readiness(m);
 }
 
 TORCH_LIBRARY(minddp, m) {

@@ -159,7 +159,7 @@ def allocate(params, assignment, stamp=False, sparse=None):
     whether parameter i expects a sparse gradient, which must be alone in its
     bucket.
 
-    stamp=True gives bucket 0, where it holds float32 or float64 values, STAMP
+    stamp=True gives bucket 0, where it holds float32 or float64 values on the CPU, STAMP
     more slots behind its buffer (`carrier`): the reducer's step check rides
     there on the bucket's own all-reduce instead of a collective of its own.
     A sparse bucket 0 carries nothing: the step check takes its own collective.
@@ -180,7 +180,11 @@ def allocate(params, assignment, stamp=False, sparse=None):
             offsets.append(total)
             total += p.numel()
         dtype = members[0].dtype
-        extra = STAMP if stamp and b == 0 and dtype in (torch.float32, torch.float64) else 0
+        # On the CPU only: reading the sums back from a GPU would make the host
+        # wait for it every step (the reducer's step check then takes a CPU
+        # collective of its own).
+        extra = (STAMP if stamp and b == 0 and dtype in (torch.float32, torch.float64) and
+                 members[0].device.type == "cpu" else 0)
         storage = torch.zeros(total + extra, dtype=dtype, device=members[0].device)
         buckets.append(Bucket(b, list(indices), members, offsets, storage[:total],
                               storage if extra else None))

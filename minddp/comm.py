@@ -15,6 +15,13 @@ unpickling a wrapper needs no new group.
 Futures carry the device of the tensor they return: on CUDA the consumer's
 stream waits for the communication before it reads the result.
 
+A job marked `job.nonblocking = True` (the backend's asynchronous all-reduce:
+it only queues work on the backend's own threads or streams) runs on the
+caller's thread when nothing is queued or running here, as torch's reducer
+launches its collectives: the order is still the submission order, and a
+short step saves two hand-overs between threads. On CUDA the collective then
+follows the caller's current stream, as torch's does.
+
 Errors: an exception inside a job is set on that job's future (the training
 process sees it when it waits, at the latest at the end of backward) and
 poisons the engine, so later jobs fail at once instead of waiting for peers
@@ -69,26 +76,38 @@ def engine_for(group, timeout=None, device=None):
                                  use_local_synchronization=group is not dist.group.WORLD)
                   for _ in range(2)]
         lanes.open_lanes(groups[0])  # here, never from the communication thread
-        collectives = cuda if cuda is not None and is_device_backend(groups[0]) else \
-            group_device(groups[0])
-        engine = _engines[key] = CommEngine(*groups, collectives, cuda)
+        on_device = is_device_backend(groups[0])
+        collectives = cuda if cuda is not None and on_device else group_device(groups[0])
+        # The step check's few bytes go through gloo on the CPU where the
+        # gradients' backend is NCCL: summing them on the GPU would make the
+        # host wait for the GPU every step to read the sums back.
+        check = (dist.new_group(list(ranks), backend="gloo", timeout=timeout,
+                                use_local_synchronization=group is not dist.group.WORLD)
+                 if on_device else groups[1])
+        engine = _engines[key] = CommEngine(*groups, collectives, cuda, check_group=check)
     return engine
 
 
 class CommEngine:
     """Runs `job(*args)` callables on a background thread, in submission order.
 
-    `group` carries the jobs; `side_group` (the same ranks) is for the few
-    bytes the wrappers sum straight from the training thread, in its program
-    order (the step check): never through the thread, so they cost no
-    hand-over between threads.
+    `group` carries the jobs; `side_group` (the same ranks) is for the
+    wrappers' small set-up collectives on the gradients' device, and
+    `check_group` (the side group, or a gloo group where that one is NCCL) for
+    the few CPU bytes they sum straight from the training thread, in its
+    program order (the step check): never through the thread, so they cost
+    no hand-over between threads.
     """
 
-    def __init__(self, group, side_group, device, cuda=None, name="minddp-comm"):
+    def __init__(self, group, side_group, device, cuda=None, name="minddp-comm",
+                 check_group=None):
         self.group, self.side_group = group, side_group
+        self.check_group = check_group if check_group is not None else side_group  # CPU tensors
         self.device = device  # the device of the tensors the group's collectives take
         self._cuda = cuda     # the CUDA device the thread works on, if any
         self._jobs = queue.SimpleQueue()
+        self._queued = 0  # jobs submitted and not yet issued by the thread
+        self._queue_lock = threading.Lock()
         self._error = None
         self._handing_on = 0  # backend futures whose result is not passed on yet
         self._handed_on = threading.Condition()
@@ -110,8 +129,14 @@ class CommEngine:
         fut = torch.futures.Future(devices=devices)
         if self._error is not None:
             fut.set_exception(self._stopped())
-        else:
-            self._jobs.put((job, args, fut, label, timeline))
+            return fut
+        with self._queue_lock:
+            here = getattr(job, "nonblocking", False) and self._queued == 0
+            if not here:
+                self._queued += 1
+                self._jobs.put((job, args, fut, label, timeline))
+        if here:  # everything before it has been issued: the order holds
+            self._run(job, args, fut, label, timeline)
         return fut
 
     def run(self, job, *args, label="job"):
@@ -145,7 +170,11 @@ class CommEngine:
             item = self._jobs.get()
             if item is _STOP:
                 return
-            self._run(*item)
+            try:
+                self._run(*item)
+            finally:
+                with self._queue_lock:
+                    self._queued -= 1
             del item  # drop the finished job's tensors now, not when the next one comes
 
     def _run(self, job, args, fut, label, timeline):

@@ -31,6 +31,7 @@ from minddp.join import Join
 from minddp.logging_data import DDPLogger
 from minddp import overlap
 from minddp.compression_auto import AutoCompression
+from minddp.devices import group_device
 from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_model
 from minddp.reducer import Phase, Reducer
 from minddp.powersgd import PowerSGD, PowerSGDReduction
@@ -212,7 +213,8 @@ class DistributedDataParallel(TorchDDP):
                                            exact=codec is None)
         device = self.engine.device
         count_used = functools.partial(_sum_on_engine, self.engine, device, "used-map")
-        sum_step = functools.partial(_sum_now, self.engine.side_group, device)
+        sum_step = functools.partial(_sum_now, self.engine.check_group,
+                                     group_device(self.engine.check_group))
         progress = (PeerProgress(self.process_group, self._member)
                     if self.world_size > 1 else None)
         self.reducer = Reducer(

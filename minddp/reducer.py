@@ -42,6 +42,7 @@ import weakref
 
 import torch
 
+from minddp import readiness
 from minddp.buckets import STAMP
 from minddp.grad_bucket import GradBucket
 from minddp.graph import reached_parameters
@@ -93,10 +94,11 @@ class Reducer:
         self.planner = planner
         self.recorder = Recorder(len(self.params)) if planner is not None else None
         self._measuring = False
-        self._where = _places(buckets)
         # On the CPU, as torch keeps it: a hook marks it without a device kernel.
         self.local_used = torch.zeros(len(self.params), dtype=torch.int32, device="cpu")
-        self.phase = Phase.IDLE
+        self.readiness = readiness.make(self.params, *_callbacks(self))
+        self._expected = [1] * len(self.params)  # gradients that make a parameter ready
+        self._set_layout(buckets)
         self.iterations = 0          # backward passes finalized
         self.forwards = 0            # synced forwards: what the step check compares
         self.divisor = 1
@@ -105,7 +107,24 @@ class Reducer:
         self._static_counts = None   # static_graph: gradients per parameter per iteration
         self._global_used = None     # static_graph: the first iteration's used map
         self._warned_create_graph = False
-        self._handles = _hook_parameters(self)
+        self.phase = Phase.IDLE
+
+    @property
+    def phase(self):
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase):
+        """Also tells the hooks (readiness.py) what to do with a gradient."""
+        self._phase = phase
+        if phase is Phase.ARMED:  # the first gradient starts the backward (_start)
+            self.readiness.set_mode(readiness.PYTHON)
+        elif phase is not Phase.RUNNING:  # nothing to reduce: mark the used map at most
+            self.readiness.set_mode(readiness.IGNORE, self._used_map_to_mark())
+
+    def _used_map_to_mark(self):
+        """The map a defined gradient marks used (on_gradient says when), or None."""
+        return self.local_used if self.find_unused or self.in_first_static_iteration else None
 
     # -- forward -----------------------------------------------------------------
     def check_finished(self):
@@ -153,6 +172,7 @@ class Reducer:
     def set_static_graph(self):
         """From the next backward on, reduce as static_graph=True does (see above)."""
         self.static_graph, self.find_unused = True, False
+        self.phase = self.phase  # the hooks mark the used map from now on
 
     @property
     def in_first_static_iteration(self):
@@ -180,16 +200,9 @@ class Reducer:
         if self.in_first_static_iteration:
             self._counts[index] += 1
             return
-        if self._static_counts is not None:
-            if self._left[index] == 0:
-                raise RuntimeError(self._logged(self._graph_changed(index)))
-            self._left[index] -= 1
-            if self._left[index]:
-                return  # more gradients of this parameter to come in this backward
-        if self._ready_order is not None:
-            self._ready_order.append(index)
         self._mark_ready(index)
-        self._launch_ready()
+        if self._ready_order is not None and self.readiness.is_ready(index):
+            self._ready_order.append(index)
 
     def _start(self):
         """The first gradient (or the sink) of a synced backward."""
@@ -198,8 +211,8 @@ class Reducer:
         self._ready_order = self.logger.ready_order() if self.logger is not None else None
         if self.progress is not None:
             self.progress.entered(self.iterations)
-        self._ready = [False] * len(self.params)
-        self._pending = [len(bucket.params) for bucket in self.buckets]
+        # static_graph: ready after as many gradients as the first iteration saw
+        self.readiness.reset(self._expected)
         self._futures = [None] * len(self.buckets)
         self._next = 0
         self._used_future = self._used_reduced = self._step_sums = None
@@ -208,54 +221,97 @@ class Reducer:
         self._measuring = self.recorder is not None and self.recorder.measuring(self.forwards)
         if self._measuring:
             self.recorder.begin()
-        if self._static_counts is not None:
-            self._left = list(self._static_counts)
         for index in self._unused:
             self._mark_ready(index)
         if self.in_first_static_iteration:
             self._counts = [0] * len(self.params)
             torch.autograd.Variable._execution_engine.queue_callback(self._reduce_all_at_end)
+        elif not self._measuring and self._ready_order is None and self.phase is Phase.RUNNING:
+            # The rest of this backward's gradients are counted in C++ (readiness.py).
+            self.readiness.set_mode(readiness.COUNT, self._used_map_to_mark())
+        else:
+            self.readiness.set_mode(readiness.PYTHON)
 
     def _mark_ready(self, index):
-        if self._ready[index]:
-            raise RuntimeError(self._logged(self._marked_twice(index)))
-        self._ready[index] = True
-        if self._measuring:
+        """One gradient of parameter `index` has arrived (the fast path's twin)."""
+        full = self.readiness.mark(index)
+        if full == readiness.EXTRA:
+            self._extra_gradient(index)
+        if self._measuring and self.readiness.is_ready(index):
             self.recorder.ready_at(index, now_us())
-        bucket, slot = self._where[index]
-        param, view = self.params[index], None if bucket.sparse else bucket.view(slot)
-        # torch's rule: what is reduced is the parameter's .grad (which may hold
-        # gradients accumulated under no_sync), or zeros where it has none.
-        grad = param.grad
+        if full >= 0:
+            self._bucket_full(full)
+
+    def _extra_gradient(self, index):
+        raise RuntimeError(self._logged(self._graph_changed(index) if self._static_counts
+                                        else self._marked_twice(index)))
+
+    def _bucket_full(self, b):
+        bucket = self.buckets[b]
+        self._fill(bucket)
+        if self.timeline is not None:
+            self.timeline.instant(f"ready b{b}", bytes=bucket.nbytes)
+        self._launch_ready()
+
+    def _fill(self, bucket):
+        """Copy a full bucket's gradients into it, with one call for them all, and
+        divide it with one more (torch's batched_grad_copy; its default copies
+        each gradient as it arrives, a kernel per parameter, which on a short step
+        with many small parameters is most of what the wrapper costs). torch's
+        rule: what is reduced is each parameter's .grad (which may hold gradients
+        accumulated under no_sync), or zeros where it has none. The numbers are
+        torch's: a copied gradient times 1/divisor, one already in the bucket
+        (gradient_as_bucket_view) divided by it."""
         if bucket.sparse:
-            self._sparse_ready(index, bucket, grad)
-        elif grad is None:
-            view.zero_()
-        elif grad.is_sparse:
-            # torch's DDP fails here too: NotImplementedError, "Cannot access
-            # storage of SparseTensorImpl".
-            raise NotImplementedError(
-                f"minddp (rank {self.rank}): parameter '{self.names[index]}' got a sparse "
-                f"gradient, but it sits in a dense bucket: only the weight of an nn.Embedding "
-                f"or nn.EmbeddingBag constructed with sparse=True is expected to have one (as "
-                f"in torch's DDP). Compute it through such a module, or make its gradient "
-                f"dense.")
-        elif self.as_view and _aliases(grad, view):
-            if self.reduction.prescaled:
-                view.div_(self.divisor)
-        else:
-            if grad.requires_grad:  # backward(create_graph=True)
-                self._warn_create_graph()
-                grad = grad.detach()
-            if self.reduction.prescaled:
-                torch.mul(grad, 1.0 / self.divisor, out=view)  # divide while copying
+            index = bucket.indices[0]
+            return self._sparse_ready(index, bucket, self.params[index].grad)
+        grads = [param.grad for param in bucket.params]
+        if not self.as_view and all(g is not None and not g.is_sparse and not g.requires_grad
+                                    for g in grads):  # the usual step: one copy, one scale
+            torch._foreach_copy_(bucket.views, grads)
+            if self.reduction.prescaled and self.divisor != 1:
+                bucket.buffer.mul_(1.0 / self.divisor)
+            return
+        copied, grads, in_place, zeros, adopt = [], [], [], [], []
+        for slot, param in enumerate(bucket.params):
+            grad, view = param.grad, bucket.views[slot]
+            if grad is None:
+                zeros.append(view)
+            elif grad.is_sparse:
+                # torch's DDP fails here too: NotImplementedError, "Cannot access
+                # storage of SparseTensorImpl".
+                raise NotImplementedError(
+                    f"minddp (rank {self.rank}): parameter "
+                    f"'{self.names[bucket.indices[slot]]}' got a sparse gradient, but it sits "
+                    f"in a dense bucket: only the weight of an nn.Embedding or "
+                    f"nn.EmbeddingBag constructed with sparse=True is expected to have one (as "
+                    f"in torch's DDP). Compute it through such a module, or make its gradient "
+                    f"dense.")
+            elif self.as_view and _aliases(grad, view):
+                in_place.append(view)
             else:
-                view.copy_(grad)
-            if self.as_view:
-                param.grad = view
-        self._pending[bucket.index] -= 1
-        if self._pending[bucket.index] == 0 and self.timeline is not None:
-            self.timeline.instant(f"ready b{bucket.index}", bytes=bucket.nbytes)
+                if grad.requires_grad:  # backward(create_graph=True)
+                    self._warn_create_graph()
+                    grad = grad.detach()
+                copied.append(view)
+                grads.append(grad)
+                if self.as_view:
+                    adopt.append((param, view))
+        if zeros:
+            torch._foreach_zero_(zeros)
+        if copied:
+            torch._foreach_copy_(copied, grads)
+        for param, view in adopt:
+            param.grad = view
+        if not self.reduction.prescaled or self.divisor == 1:
+            return
+        if not in_place:  # zeros stay zeros: one pass over the whole buffer
+            bucket.buffer.mul_(1.0 / self.divisor)
+        elif not copied:
+            bucket.buffer.div_(self.divisor)
+        else:
+            torch._foreach_mul_(copied, 1.0 / self.divisor)
+            torch._foreach_div_(in_place, self.divisor)
 
     def _sparse_ready(self, index, bucket, grad):
         """torch's rule for a parameter that expects a sparse gradient: its bucket is
@@ -284,7 +340,7 @@ class Reducer:
     def _launch_ready(self):
         """Launch every full bucket whose predecessors have all been launched; once
         the last one is, reduce the used map and queue finalize."""
-        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+        while self._next < len(self.buckets) and self.readiness.pending(self._next) == 0:
             self._futures[self._next] = self._launch(self._next)
             self._next += 1
         if self._next < len(self.buckets):
@@ -307,8 +363,9 @@ class Reducer:
             return  # already reduced (_delay_all_reduce)
         for index in range(len(self.params)):
             self._mark_ready(index)
-        self._launch_ready()
         self._static_counts = self._counts
+        # An unused one (no gradient) is marked ready at the start of the backward.
+        self._expected = [count or 1 for count in self._counts]
         self._unused = [i for i, count in enumerate(self._counts) if count == 0]
         self._finalize()
 
@@ -351,11 +408,7 @@ class Reducer:
                 if result is not bucket.buffer:
                     bucket.buffer.copy_(result)
                 continue
-            views = bucket.views_of(result)
-            for slot, index in enumerate(bucket.indices):
-                if used is not None and not used(index):
-                    continue  # no rank used it: leave .grad as it was, as torch does
-                self._write_grad(bucket.params[slot], views[slot])
+            self._write_grads(bucket, bucket.views_of(result), used)
         if self._used_future is not None:
             self._used_map()  # its reduction must not outlive the iteration
         self._replicas_agreed()
@@ -420,16 +473,40 @@ class Reducer:
             result = bucket.buffer
         return result
 
-    def _write_grad(self, param, view):
-        grad = param.grad
-        if self.as_view:
-            if grad is None or not _aliases(grad, view):
-                param.grad = view
-        elif grad is None:  # laid out like the parameter, as autograd would
-            param.grad = torch.empty_like(param, memory_format=torch.preserve_format,
-                                          requires_grad=False).copy_(view)
-        else:
-            grad.copy_(view)
+    def _write_grads(self, bucket, views, used):
+        """Write a bucket's averaged gradients (`views`, shaped like its parameters)
+        to .grad: one copy for the gradients that exist, one clone for those that
+        do not (laid out like the parameter, as autograd would make them), and
+        none where .grad is the bucket slot (gradient_as_bucket_view). A
+        parameter no rank used (`used(index)` false) keeps its .grad, as in torch."""
+        if used is None and not self.as_view:  # the usual step: one call per bucket
+            grads = [param.grad for param in bucket.params]
+            if all(g is None for g in grads):  # zero_grad() set them to None
+                for param, grad in zip(bucket.params, torch._foreach_clone(views)):
+                    param.grad = grad
+                return
+            if all(g is not None for g in grads):
+                torch._foreach_copy_(grads, views)
+                return
+        grads, sums, missing, fresh = [], [], [], []
+        for slot, param in enumerate(bucket.params):
+            if used is not None and not used(bucket.indices[slot]):
+                continue
+            grad, view = param.grad, views[slot]
+            if self.as_view:
+                if grad is None or not _aliases(grad, view):
+                    param.grad = view
+            elif grad is None:
+                missing.append(param)
+                fresh.append(view)
+            else:
+                grads.append(grad)
+                sums.append(view)
+        if grads:
+            torch._foreach_copy_(grads, sums)
+        if fresh:
+            for param, grad in zip(missing, torch._foreach_clone(fresh)):
+                param.grad = grad
 
     def _wait(self, future, what, via=None):
         """future.wait(), bounded by the group's timeout, and sooner when a peer has
@@ -529,7 +606,8 @@ class Reducer:
     def _abandon(self):
         """The previous backward began but never reached finalize: drain what it
         launched, tell the peers, and become BROKEN."""
-        missing = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
+        missing = [self.names[i] for i in range(len(self.params))
+                   if not self.readiness.is_ready(i)]
         waiting = [b for b in range(len(self.buckets)) if self._futures[b] is None]
         if self.progress is not None:  # first: a peer may be waiting for this rank
             self.progress.abandon(f"abandoned iteration {self.iterations}: its backward did not "
@@ -636,7 +714,12 @@ class Reducer:
                     view = bucket.view(slot)
                     view.copy_(param.grad)
                     param.grad = view
-        self.buckets, self._where = buckets, where
+        self._set_layout(buckets)
+
+    def _set_layout(self, buckets):
+        self.buckets, self._where = buckets, _places(buckets)
+        self.readiness.set_layout([self._where[i][0].index for i in range(len(self.params))],
+                                  len(buckets))
 
     @property
     def expect_sparse(self):
@@ -645,33 +728,30 @@ class Reducer:
 
     def close(self):
         """Remove the gradient hooks (the wrapper's close() and garbage collection)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self.readiness.remove()
 
 
-def _hook_parameters(reducer):
-    """Hook every parameter's gradient accumulator (as torch's reducer does):
-    unlike a tensor's post-accumulate hook, it also runs when the incoming
-    gradient is undefined (an output the loss ignores, behind the wrapper's
-    sink), which find_unused_parameters must see. The hooks hold the reducer
-    weakly, so a dropped wrapper's hooks do nothing."""
+def _callbacks(reducer):
+    """readiness.make's callbacks. They hold the reducer weakly, so a dropped
+    wrapper's hooks do nothing."""
     ref = weakref.ref(reducer)
-    handles, reducer._accumulators = [], []
-    with torch.enable_grad():
-        for index, param in enumerate(reducer.params):
-            accumulator = param.view_as(param).grad_fn.next_functions[0][0]
-            reducer._accumulators.append(accumulator)  # keeps it, and the hook, alive
-            handles.append(accumulator.register_hook(_hook(ref, index)))
-    return handles
 
+    def on_gradient(index, defined):
+        r = ref()
+        if r is not None:
+            r.on_gradient(index, defined)
 
-def _hook(ref, index):
-    def hook(grad_inputs, grad_outputs):
-        reducer = ref()
-        if reducer is not None:
-            reducer.on_gradient(index, grad_outputs[0] is not None)
-    return hook
+    def on_bucket(b):
+        r = ref()
+        if r is not None:
+            r._bucket_full(b)
+
+    def on_extra(index):
+        r = ref()
+        if r is not None:
+            r._extra_gradient(index)
+
+    return on_gradient, on_bucket, on_extra
 
 
 def _no_rows(param):

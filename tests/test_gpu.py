@@ -191,3 +191,34 @@ def test_all_reduce_of_cuda_tensors(world_size, backend):
     for rank, mine in enumerate(results[1:], start=1):
         for k, (a, b) in enumerate(zip(mine, results[0])):
             assert torch.equal(a, b), f"rank {rank}'s result {k} differs from rank 0's"
+
+
+def _steps_without_host_sync(rank, world_size, backend):
+    """Default keywords, one NCCL rank: after two warm-up steps (the first one
+    agrees on the model, picks algorithms, may plan), every step runs with
+    torch's sync debug mode set to raise on anything that makes the host wait
+    for the GPU. Returns how many steps ran so."""
+    device = _device()
+    ddp = minddp.DDP(IntegerNet().to(device), device_ids=[device])
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    batches = [_batch(rank, step, device) for step in range(12)]
+    steps = 0
+    for step, (x, weights) in enumerate(batches):
+        replicas = ddp.reducer.replicas  # None where there is nothing to compare
+        checked = step >= 2 and not (replicas and replicas.due(ddp.reducer.forwards + 1))
+        if checked:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.zero_grad()
+            (ddp(x) * weights).sum().backward()
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        steps += checked
+    return steps
+
+
+def test_steady_state_steps_never_wait_for_the_gpu():
+    # The replica check's step reads checksums back (1 in 100 steps by default),
+    # which the loop above leaves unchecked.
+    assert run_world(_steps_without_host_sync, 1, "nccl", timeout=180, backend="nccl") == [10]

@@ -48,7 +48,9 @@ def runner(name, group, codec=None):
     """
     if name == "native":
         if codec is None:
-            return functools.partial(native.all_reduce_async, group=group)
+            run = functools.partial(native.all_reduce_async, group=group)
+            run.nonblocking = True  # comm.py may launch it from the training thread
+            return run
         from minddp import compression
         return functools.partial(compression.native_all_reduce, group=group, codec=codec)
     return functools.partial(resolve(name).all_reduce, group=group, codec=codec)
