@@ -706,15 +706,14 @@ class Reducer:
         if self.phase is Phase.RUNNING:
             raise RuntimeError(f"minddp (rank {self.rank}): buckets cannot change during a "
                                f"backward pass.")
-        where = _places(buckets)
+        self._set_layout(buckets)
         if self.as_view:
             for index, param in enumerate(self.params):
-                bucket, slot = where[index]
+                bucket, slot = self._where[index]
                 if param.grad is not None and not bucket.sparse:  # sparse .grad is no view
                     view = bucket.view(slot)
                     view.copy_(param.grad)
                     param.grad = view
-        self._set_layout(buckets)
 
     def _set_layout(self, buckets):
         self.buckets, self._where = buckets, _places(buckets)
