@@ -38,12 +38,13 @@ from benchmarks.measure import (Progress, format_interval, format_table, human_b
                                 pairwise_ratio_interval, provenance, slowest_rank, sync,
                                 thread_cpu_ns)
 from benchmarks.plots import plot_collectives
-from minddp import algorithms, compression
+from minddp import compression, registry
 from minddp.algorithms import auto, cost_model
 
 SIZES = [4, 64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20,
          16 << 20, 25 << 20, 64 << 20]
-ALGORITHMS = ["native", "ring", "tree", "halving_doubling", "auto"]
+# The baseline first, then every registered algorithm (plugins' too: --plugin).
+BASELINE = "native"
 # Not run by default: the backend's all-reduce once more, as if another
 # algorithm. Its /native ratio is how far two identical operations drift apart
 # on this machine at that size: the noise floor the other ratios sit on.
@@ -53,22 +54,36 @@ THREAD_KINDS = {"main": "main", "gloo_tcp_loop": "gloo loop", "pt_gloo_runloop":
 
 
 def parse_args(argv=None):
+    # --plugin first: what it registers becomes a choice of --algorithms and --compression.
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--plugin", action="append", default=[])
+    for path in pre.parse_known_args(argv)[0].plugin:
+        registry.load(path)
+    names = algorithm_names()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plugin", action="append", default=[], metavar="FILE",
+                        help="a Python file registering algorithms or codecs, loaded on every "
+                             "rank (repeatable)")
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="message bytes")
-    parser.add_argument("--algorithms", nargs="+", default=ALGORITHMS,
-                        choices=ALGORITHMS + [NOISE_FLOOR])
+    parser.add_argument("--algorithms", nargs="+", default=names,
+                        choices=names + [NOISE_FLOOR])
     parser.add_argument("--budget", type=float, default=1.0,
                         help="scales the repetitions (1.0: about a minute on 2 idle ranks)")
     parser.add_argument("--model", action="store_true",
                         help="print the alpha-beta prediction and its relative error")
     parser.add_argument("--cpu", action="store_true",
                         help="print the CPU time per call of each thread kind (Linux)")
-    parser.add_argument("--compression", nargs="+", default=[], choices=sorted(compression.DTYPES),
+    parser.add_argument("--compression", nargs="+", default=[], choices=registry.codec_names(),
                         help="also run each algorithm (but auto) with these codecs, as "
                              "'ring+fp16' etc.")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", default="results")
     return parser.parse_args(argv)
+
+
+def algorithm_names():
+    """The rows' algorithms: the baseline first, then every other registered one."""
+    return [BASELINE] + [n for n in registry.algorithm_names() if n != BASELINE]
 
 
 def repetitions(nbytes, budget):
@@ -78,9 +93,11 @@ def repetitions(nbytes, budget):
 
 def variants(args):
     """Every name to run: the algorithms, then each with each codec ("ring+fp16")."""
-    # int8 needs fp32 sums at every hop: the backend's all-reduce cannot take it
+    # Where the algorithm can carry the codec (int8 needs fp32 sums at every hop: the
+    # backend's all-reduce cannot take it); not auto's kind, which picks among these.
     return args.algorithms + [f"{a}+{c}" for c in args.compression for a in args.algorithms
-                              if a not in ("auto", NOISE_FLOOR) and (a, c) != ("native", "int8")]
+                              if a != NOISE_FLOOR and registry.algorithm(a).bind is None and
+                              registry.algorithm(a).carries(registry.codec(c)) is None]
 
 
 def make_runners(names, group, chooser):
@@ -91,13 +108,12 @@ def make_runners(names, group, chooser):
             algorithm, codec = name.split("+")
             runners[name] = functools.partial(compression.all_reduce, algorithm=algorithm,
                                               group=group, compression=codec)
-        elif name in ("native", NOISE_FLOOR):
+        elif name == NOISE_FLOOR:
             runners[name] = lambda t: dist.all_reduce(t, group=group)
-        elif name == "auto":
-            runners[name] = lambda t: algorithms.ALGORITHMS[chooser.pick(t)].all_reduce(t, group)
+        elif registry.algorithm(name).bind is auto.bind:  # this run's chooser: rows show picks
+            runners[name] = lambda t: registry.algorithm(chooser.pick(t)).all_reduce(t, group)
         else:
-            runners[name] = lambda t, module=algorithms.ALGORITHMS[name]: module.all_reduce(t,
-                                                                                          group)
+            runners[name] = lambda t, entry=registry.algorithm(name): entry.all_reduce(t, group)
     return runners
 
 
@@ -177,15 +193,19 @@ def run(args, rank, world, device):
                                        if "native" in times else None),
                    "ratio_to_native_ci": (pairwise_ratio_interval(times[name], times["native"])
                                           if "native" in times else None),
-                   "picked": chooser.pick(torch.empty(nbytes // 4)) if name == "auto" else None}
+                   "picked": (chooser.pick(torch.empty(nbytes // 4)) if name != NOISE_FLOOR and
+                              registry.algorithm(name.split("+")[0]).bind is auto.bind
+                              else None)}
             # bytes on the wire / float32 bytes (the per-chunk scales aside)
-            row["wire"] = (compression.codec_for(name.split("+")[1]).wire_itemsize(torch.float32)
+            row["wire"] = (registry.codec(name.split("+")[1]).wire_itemsize(torch.float32)
                            / 4 if "+" in name else 1.0)
             row["rel_error"] = relative_error(runners[name], nbytes, device)
             if "+" not in name:  # the model knows no codec's encode/decode time
-                model_name = row["picked"] or ("native" if name == NOISE_FLOOR else name)
-                row["model_us"] = cost_model.predict(model_name, nbytes, world, costs) * 1e6
-                row["model_error"] = (row["model_us"] - row["time_us"]) / row["time_us"]
+                model_name = row["picked"] or (BASELINE if name == NOISE_FLOOR else name)
+                predicted = cost_model.predict(model_name, nbytes, world, costs)
+                if predicted is not None:  # an algorithm registered without a formula
+                    row["model_us"] = predicted * 1e6
+                    row["model_error"] = (row["model_us"] - row["time_us"]) / row["time_us"]
             if args.cpu:
                 row["cpu_us"] = {kind: seconds * 1e6
                                  for kind, seconds in cpu_per_call(cpu_used[name]).items()}

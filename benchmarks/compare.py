@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import minddp
 from benchmarks.configs import (CONFIG_NAMES, CONFIGS, POWERSGD, build_configs, check_names,
-                                split_name)
+                                how_to_build, load_plugins, split_name)
 from benchmarks.measure import (Progress, format_interval, format_table, median,
                                 pairwise_difference, pairwise_ratio, pairwise_ratio_interval,
                                 peak_rss_mb, provenance, rotated, run_distributed,
@@ -58,11 +58,17 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default="transformer,mlp,convnet",
                    help=f"comma-separated, from {sorted(WORKLOADS)}")
-    p.add_argument("--configs", default=",".join(CONFIG_NAMES),
-                   help=f"comma-separated rows to run (default: {','.join(CONFIG_NAMES)}; "
-                        f"also: {','.join(n for n in CONFIGS if n not in CONFIG_NAMES)}); "
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated rows to run (default: {','.join(CONFIG_NAMES)}, and "
+                        f"a row for each algorithm or codec a --plugin registers; also: "
+                        f"{','.join(n for n in CONFIGS if n not in CONFIG_NAMES)}, and "
+                        f"minddp_<algorithm>[_<compression>] of any registered ones); "
                         f"NAME@CAP gives a row its own bucket_cap_mb (e.g. torch_ddp@4, "
                         f"minddp_auto@auto)")
+    p.add_argument("--plugin", action="append", default=[], metavar="FILE",
+                   help="a Python file that registers algorithms or codecs "
+                        "(minddp.register_algorithm / register_codec), loaded on every rank; "
+                        "repeatable, e.g. examples/algorithm_direct.py")
     p.add_argument("--steps", type=int, default=12, help="measured steps per configuration")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default: workload's)")
@@ -159,9 +165,11 @@ def summarise(config, steps, comm, samples, device):
 def run(args, rank, world_size, device):
     """Run the selected workloads in the current process group; rank 0 writes the
     results and returns the rows (the other ranks return them too, unwritten)."""
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    added = load_plugins(args.plugin)
+    configs = args.configs if args.configs is not None else ",".join(CONFIG_NAMES + added)
+    names = [n.strip() for n in configs.split(",") if n.strip()]
     check_names(names)
-    lossy = [n for n in names if isinstance(CONFIGS[split_name(n)[0]][-1], minddp.PowerSGD)]
+    lossy = [n for n in names if isinstance(how_to_build(split_name(n)[0])[-1], minddp.PowerSGD)]
     if lossy and args.warmup < POWERSGD.warmup_steps:
         args.warmup = POWERSGD.warmup_steps  # measure PowerSGD compressing, not warming up
         if rank == 0:

@@ -14,7 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp
-from minddp import buckets
+from minddp import buckets, registry
 from minddp.grad_bucket import GradBucket
 
 # name -> how to build it: ("bare",), ("torch", hook) or ("minddp", algorithm, compression),
@@ -30,7 +30,6 @@ CONFIGS = {
     "minddp_ring_fp16": ("minddp", "ring", "fp16"),
 }
 CONFIG_NAMES = list(CONFIGS)  # the default rows
-WIRE_RATIO = {None: 1.0, "fp16": 0.5, "bf16": 0.5, "int8": 0.25}  # bytes sent / bytes summed
 # Opt-in rows (--configs): low-rank compression, PowerSGD's rank 4 after 10 full steps on both
 # sides. torch's hook runs several asynchronous all-reduces per bucket while other buckets'
 # run too, which gloo can pair across buckets ("Received data size doesn't match").
@@ -72,12 +71,53 @@ def split_name(name):
     return base, value
 
 
+def registered(name):
+    """minddp_<algorithm> or minddp_<algorithm>_<compression>, any registered names
+    (registry.py: plugins too), as a CONFIGS entry; None if the name is not one."""
+    if not name.startswith("minddp_"):
+        return None
+    rest = name[len("minddp_"):]
+    for algorithm in registry.algorithm_names():
+        if rest == algorithm:
+            return ("minddp", algorithm, None)
+        codec = rest[len(algorithm) + 1:]
+        if rest.startswith(algorithm + "_") and codec in registry.compression_names():
+            return ("minddp", algorithm, codec)
+    return None
+
+
+def how_to_build(name):
+    """The CONFIGS entry of a row name (without its @cap), named or registered."""
+    return CONFIGS.get(name) or registered(name)
+
+
+def load_plugins(paths):
+    """Import each file (--plugin: its registrations, registry.load) on this rank; return the
+    rows the new entries add to the defaults: minddp_<algorithm> for each new algorithm,
+    minddp_<first per-hop algorithm>_<codec> for each new codec."""
+    algorithms, codecs = set(registry.algorithm_names()), set(registry.codec_names())
+    for path in paths:
+        registry.load(path)
+    carrier = registry.algorithm_names(per_hop_only=True)[0]
+    return ([f"minddp_{a}" for a in registry.algorithm_names() if a not in algorithms] +
+            [f"minddp_{carrier}_{c}" for c in registry.codec_names() if c not in codecs])
+
+
 def check_names(names):
     """Exit with the list of known rows if a name is not one of them."""
-    unknown = [n for n in names if split_name(n)[0] not in CONFIGS]
+    unknown = [n for n in names if how_to_build(split_name(n)[0]) is None]
     if unknown:
-        raise SystemExit(f"unknown configurations {unknown}; choose from {list(CONFIGS)}, each "
+        raise SystemExit(f"unknown configurations {unknown}; choose from {list(CONFIGS)} or "
+                         f"minddp_<algorithm>[_<compression>] of the registered ones "
+                         f"({registry.algorithm_names()}; {registry.compression_names()}), each "
                          f"optionally with @<bucket cap in MiB> or (minddp rows) @auto")
+
+
+def wire_ratio(compression):
+    """Bytes sent per byte summed (float32) with a registered codec, or full precision."""
+    if compression is None:
+        return 1.0
+    return registry.codec(compression).wire_itemsize(torch.float32) / 4
 
 
 @dataclasses.dataclass
@@ -167,7 +207,7 @@ def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False,
     for name in names:
         base_name, cap = split_name(name)
         cap = cap_mb if cap is None else cap
-        kind, *how = CONFIGS[base_name]
+        kind, *how = how_to_build(base_name)
         if cap == "auto" and kind != "minddp":
             raise SystemExit(f"configuration {name!r}: only minddp rows take @auto")
         sizes = _bucket_bytes(base, 25 if cap == "auto" else cap)  # same total either way
@@ -209,11 +249,11 @@ def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False,
                 config.communicate = _minddp_communicate(config.model)
                 # as each bucket decided, which with bucket_cap_mb="auto" is at the plan
                 config.sent_now = lambda reducer=config.model.reducer: bytes_sent_per_rank(
-                    [b.nbytes * WIRE_RATIO[reducer.reduction.compressed[b.index]]
+                    [b.nbytes * wire_ratio(reducer.reduction.compressed[b.index])
                      for b in reducer.buckets], world)
             else:
                 config.communicate = _minddp_communicate(config.model)
-                config.bytes_sent = bytes_sent_per_rank(sizes, world, WIRE_RATIO[compression])
+                config.bytes_sent = bytes_sent_per_rank(sizes, world, wire_ratio(compression))
         config.optimizer = (optimizer or _sgd)(config.model.parameters())
         configs.append(config)
     return configs

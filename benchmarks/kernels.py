@@ -12,7 +12,7 @@ instead; a plain float32 copy (dst.copy_(src)) gives the machine's bandwidth:
     decompress       packed.float() / scale
     decompress_add_  dst.add_(packed.float(), alpha=1 / scale)
 
-(--dtype int8, a scale per 1024 values: compression_reference's torch ops.)
+(--dtype int8, a scale per 1024 values: minddp/compression/reference.py's torch ops.)
 GB/s counts the bytes an op must move at least (read inputs once, write
 outputs once: compress 6 bytes/element, decompress 6, decompress_add_ 10, copy
 8; int8 one less), so the fused/copy column is the fraction of copy bandwidth
@@ -37,8 +37,8 @@ import torch
 
 from benchmarks.measure import provenance
 from minddp import compression  # loads minddp._C
-from minddp import compression_reference as reference
-from minddp.compression_reference import scale_from_amax
+from minddp.compression import reference
+from minddp.compression.reference import scale_from_amax
 
 KEEP_HEAP = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
 

@@ -9,7 +9,6 @@ comm hook registered with `register_comm_hook`.
 import collections
 import contextlib
 import functools
-import inspect
 import warnings
 import weakref
 
@@ -20,30 +19,23 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import _JoinConfig
 from torch.utils import _pytree as pytree
 
-from minddp import algorithms
+from minddp import arguments
 from minddp import buckets as bucketing
 from minddp import comm
 from minddp import compression as compressing
 from minddp.algorithms import native
-from minddp.grad_bucket import GradBucket
+from minddp.errors import first_line
 from minddp.health import PeerProgress
 from minddp.join import Join
 from minddp.logging_data import DDPLogger
 from minddp import overlap
-from minddp.compression_auto import AutoCompression
 from minddp.devices import group_device
 from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_model
 from minddp.reducer import Phase, Reducer
-from minddp.powersgd import PowerSGD, PowerSGDReduction
-from minddp.reduction import AlgorithmReduction, HookReduction, setup_job
+from minddp.reduction import HookReduction
 from minddp.replicas import DEFAULT_INTERVAL, ReplicaCheck, interval_of
 from minddp.timeline import from_environment
 
-COMPRESSIONS = (None, "fp16", "bf16", "int8", "powersgd", "auto")  # or a PowerSGD(...)
-# From torch 2.13 on, forward_sync_buffers replaces broadcast_buffers; older
-# torch has only the old name, and minddp's warnings follow the torch it runs on.
-_TORCH_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(
-    nn.parallel.DistributedDataParallel.__init__).parameters
 _constructed = collections.Counter()  # ranks -> wrappers constructed over them
 # torch's class, taken from its defining module, which replace_torch_ddp() never rebinds.
 TorchDDP = nn.parallel.distributed.DistributedDataParallel
@@ -98,7 +90,7 @@ class DistributedDataParallel(TorchDDP):
             process_group = device_mesh.get_group(mesh_dim=0)
         group = process_group if process_group is not None else dist.group.WORLD
         rank = dist.get_rank(group)
-        _refuse_unimplemented(rank, delay_all_reduce_named_params=delay_all_reduce_named_params,
+        arguments.refuse_unimplemented(rank, delay_all_reduce_named_params=delay_all_reduce_named_params,
                               param_to_hook_all_reduce=param_to_hook_all_reduce,
                               mixed_precision=mixed_precision)
         # skip_all_reduce_unused_params and batched_grad_copy only make torch's
@@ -114,24 +106,22 @@ class DistributedDataParallel(TorchDDP):
                 f"would reduce every gradient twice. Wrap the bare model (its .module) once.")
         named = self._trainable(module)
         bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
-        _check_arguments(named, rank, device_ids, bucket_cap_mb, bucket_cap_mb_list, algorithm,
+        arguments.check_arguments(named, rank, device_ids, bucket_cap_mb, bucket_cap_mb_list, algorithm,
                          compression)
-        self.forward_sync_buffers, sync_buffers_at_init = _buffer_sync(broadcast_buffers,
+        self.forward_sync_buffers, sync_buffers_at_init = arguments.buffer_sync(broadcast_buffers,
                                                                       forward_sync_buffers)
         self.module = module
         self.device = named[0][1].device
         self.device_ids = None if device_ids is None or self.device.type == "cpu" else [
-            _index(d) for d in device_ids]
-        self.output_device = None if self.device_ids is None else _index(
+            arguments.index(d) for d in device_ids]
+        self.output_device = None if self.device_ids is None else arguments.index(
             output_device if output_device is not None else device_ids[0])
         self.dim = dim
         self.process_group = group
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = False
-        self.algorithm, self.compression = algorithm, compression
-        if compression == "powersgd":
-            self.compression = PowerSGD()
+        self.algorithm, self.compression = algorithm, compressing.settings(compression)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         # "auto": buckets planned from the first iterations (overlap.py).
@@ -185,7 +175,7 @@ class DistributedDataParallel(TorchDDP):
             raise RuntimeError(
                 f"minddp (rank {rank}): start-up agreement with the other ranks failed: a peer "
                 f"died or did not construct the wrapper within the process group's timeout. "
-                f"Cause: {str(e).splitlines()[0]}") from e
+                f"Cause: {first_line(e)}") from e
 
     def _build_reducer(self, named, static_graph):
         """The buckets, the reduction and the reducer (construction and unpickling)."""
@@ -196,21 +186,9 @@ class DistributedDataParallel(TorchDDP):
                   self.bucket_bytes_cap_list or bucketing.caps(self.bucket_bytes_cap))
         buckets = bucketing.build([p for _, p in named], limits, stamp=self.world_size > 1,
                                   sparse=bucketing.expect_sparse_gradient(self.module, named))
-        name = f"algorithm {self.algorithm!r}"
-        if self.compression == "auto":
-            reduction = AutoCompression(self.engine, self.algorithm, group, name, self.timeline)
-        elif isinstance(self.compression, PowerSGD):
-            job = algorithms.planner(self.algorithm, group)
-            reduction = PowerSGDReduction(self.engine, job, self.compression, self.world_size,
-                                          name, self.timeline)
-        else:
-            codec = (None if self.compression is None
-                     else compressing.codec_for(self.compression))
-            job = algorithms.planner(self.algorithm, group, codec)
-            if self.compression == "int8":
-                job = compressing.ErrorFeedback(job, codec)
-            reduction = AlgorithmReduction(self.engine, job, name, self.timeline,
-                                           exact=codec is None)
+        reduction = compressing.reduction(self.compression, self.engine, self.algorithm, group,
+                                          f"algorithm {self.algorithm!r}", self.timeline,
+                                          self.world_size)
         device = self.engine.device
         count_used = functools.partial(_sum_on_engine, self.engine, device, "used-map")
         sum_step = functools.partial(_sum_now, self.engine.check_group,
@@ -241,25 +219,9 @@ class DistributedDataParallel(TorchDDP):
         """bucket_cap_mb="auto", once, on every rank together: measure the link as
         buckets use it, agree on ready times and link costs, plan, and build the
         planned buckets (overlap.py)."""
-        engine, reduction = self.engine, self.reducer.reduction
-        job = getattr(reduction, "job", None)  # a comm hook is timed as the backend's sum
-        job = job if job is not None else functools.partial(native.all_reduce,
-                                                            group=engine.group)
-        link = overlap.measure_link(lambda t: engine.run(job, t, label="link"),
-                                    lambda t: engine.submit(job, t, label="link"),
-                                    engine.side_group, self.device, self.reducer.params[0].dtype,
-                                    lambda probes: setup_job(engine, job, probes, True))
-        sparse = self.reducer.expect_sparse  # each alone in its bucket, planned or not
-        plan = overlap.plan(self.reducer.params, *overlap.agree(
-            ready_times, link, engine.side_group, engine.device), sparse=sparse)
-        buckets = bucketing.allocate(self.reducer.params, plan.buckets, stamp=True,
-                                     sparse=sparse)
-        self.reducer.reduction.setup(buckets)
-        overlap.log.debug("minddp (rank %d): buckets planned: %s",
-                          dist.get_rank(self.process_group), plan.describe())
-        if self.timeline is not None:
-            self.timeline.instant("bucket plan", **plan.describe())
-        return buckets
+        return overlap.planned_buckets(self.engine, self.reducer, self.device,
+                                       dist.get_rank(self.process_group), self.timeline,
+                                       ready_times)
 
     def _take_name(self):
         """Name this wrapper's entries in the store (health.py). Constructions are
@@ -383,7 +345,7 @@ class DistributedDataParallel(TorchDDP):
         At most once, and not during a backward pass.
         """
         try:
-            _check_comm_hook(hook)
+            arguments.check_comm_hook(hook)
         except (TypeError, ValueError) as e:
             self.logger.set_error_and_log(f"{type(e)}: {e}")
             raise
@@ -582,24 +544,6 @@ def _compiled_in_buckets(wrapper):
         TorchDDP._active_ddp_module = active
 
 
-def _buffer_sync(broadcast_buffers, forward_sync_buffers):
-    """(sync buffers before each forward, sync them at construction), as torch decides."""
-    if broadcast_buffers is not None and _TORCH_HAS_FORWARD_SYNC:
-        if forward_sync_buffers is not None:
-            warnings.warn("Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
-                          "`broadcast_buffers` is deprecated and its value is ignored when "
-                          "`forward_sync_buffers` is provided.", FutureWarning, stacklevel=3)
-        else:
-            warnings.warn("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` "
-                          "instead. IMPORTANT: unlike `broadcast_buffers=False`, "
-                          "`forward_sync_buffers=False` still syncs buffers at init.",
-                          FutureWarning, stacklevel=3)
-    if forward_sync_buffers is not None:
-        return forward_sync_buffers, True
-    effective = True if broadcast_buffers is None else broadcast_buffers
-    return effective, effective
-
-
 def _refuse_outer_wrapper(ddp):
     """Raise if torch's DDP is running this wrapper inside its own forward over the
     same parameters (a framework wrapped minddp's wrapper again: Accelerate given
@@ -622,82 +566,6 @@ def _refuse_outer_wrapper(ddp):
             f"HF Trainer').")
 
 
-def _refuse_unimplemented(rank, **given):
-    for name, value in given.items():
-        if value not in (None, False):
-            raise NotImplementedError(
-                f"minddp (rank {rank}): torch DDP's {name}= is not implemented by minddp "
-                f"(README, 'Differences from torch DDP'); leave it at its default or use "
-                f"torch.nn.parallel.DistributedDataParallel.")
-
-
-def _check_arguments(named, rank, device_ids, bucket_cap_mb, bucket_cap_mb_list, algorithm,
-                     compression):
-    where = f"minddp (rank {rank})"
-    if not named:
-        raise RuntimeError(f"{where}: DistributedDataParallel is not needed when a module "
-                           f"doesn't have any parameter that requires a gradient.")
-    for name, p in named:
-        if isinstance(p, nn.parameter.UninitializedParameter):
-            raise RuntimeError(f"{where}: Modules with uninitialized parameters can't be used "
-                               f"with `DistributedDataParallel` ('{name}'). Run a dummy forward "
-                               f"pass to correctly initialize the modules")
-    if device_ids is not None and len(device_ids) > 1:
-        raise ValueError("device_ids can only be None or contain a single element.")
-    devices = {p.device for _, p in named}
-    if len({d.type for d in devices}) > 1 or len(devices) > 1:
-        placed = ", ".join(f"{n} on {p.device}" for n, p in named[:4])
-        raise ValueError(f"{where}: parameters live on several devices ({placed}, ...); "
-                         f"move the whole module to one device before wrapping it.")
-    device = devices.pop()
-    if device.type == "meta":
-        raise ValueError(f"{where}: the module is on the meta device; materialise it "
-                         f"(module.to_empty(device=...)) and initialise it first.")
-    if device_ids and (device.type == "cpu" or torch.device(device.type, device.index) !=
-                       torch.device(device.type, _index(device_ids[0]))):
-        raise ValueError(f"{where}: device_ids={device_ids!r} does not match the module's "
-                         f"device {device}; DistributedDataParallel device_ids only work with "
-                         f"single-device GPU modules: pass device_ids=None for CPU modules, or "
-                         f"[the single GPU the module is on].")
-    if bucket_cap_mb == "auto" and bucket_cap_mb_list:
-        raise ValueError(f"{where}: bucket_cap_mb='auto' plans every bucket itself; pass "
-                         f"either it or bucket_cap_mb_list, not both.")
-    for cap in [bucket_cap_mb] + list(bucket_cap_mb_list or []):
-        if cap != "auto" and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or
-                              cap <= 0):
-            raise ValueError(f"{where}: bucket_cap_mb must be a positive number of MiB or "
-                             f"'auto' (planned from measured gradient-ready times), got {cap!r}.")
-    if algorithm not in algorithms.CHOICES:
-        raise ValueError(f"{where}: unknown algorithm {algorithm!r}; choose one of "
-                         f"{list(algorithms.CHOICES)}.")
-    if compression == "int8" and algorithm == "native":
-        raise ValueError(f"{where}: compression='int8' needs one of minddp's own algorithms "
-                         f"(they sum in fp32 at every hop; the backend's all-reduce would add "
-                         f"8-bit values and overflow); use algorithm='ring' or 'auto'.")
-    if compression not in COMPRESSIONS and not isinstance(compression, PowerSGD):
-        raise ValueError(f"{where}: unknown compression {compression!r}; choose one of "
-                         f"{list(COMPRESSIONS)} or minddp.PowerSGD(rank=..., warmup_steps=...).")
-
-
-def _check_comm_hook(hook):
-    """torch's checks on a comm hook, with torch's exception types."""
-    if not callable(hook):
-        raise TypeError(f"Communication hook must be callable; minddp got "
-                        f"{type(hook).__name__}.")
-    try:
-        signature = inspect.signature(hook)
-    except (TypeError, ValueError):
-        return
-    bucket = signature.parameters.get("bucket")
-    if bucket is not None and bucket.annotation not in (inspect.Parameter.empty,
-                                                        dist.GradBucket, GradBucket):
-        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
-    if signature.return_annotation not in (inspect.Signature.empty,
-                                           torch.futures.Future[torch.Tensor]):
-        raise ValueError("Communication hook: return annotation should be "
-                         "torch.futures.Future[torch.Tensor].")
-
-
 def _sum_now(group, device, tensor):
     """Start summing a small tensor on `group` from this thread; a Future of it.
     No Python runs when it completes: nothing to hand over between threads."""
@@ -717,10 +585,6 @@ def _current(device):
     """The CUDA device made current for a block (NCCL's object collectives and
     group creation use the current one), or nothing for a CPU model."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _index(device_id):
-    return device_id.index if isinstance(device_id, torch.device) else int(device_id)
 
 
 def _to_device(obj, device):

@@ -33,6 +33,7 @@ model leaves out that a reduction can slow backward down (on a CPU whose
 cores backward needs); `plan` weighs that with `simulate`.
 """
 import dataclasses
+import functools
 import logging
 import time
 
@@ -40,7 +41,10 @@ import torch
 import torch.distributed as dist
 
 from minddp.algorithms.cost_model import fit, interleaved
+from minddp import buckets
+from minddp.algorithms import native
 from minddp.buckets import FIRST_BUCKET_BYTES
+from minddp.reduction import setup_collective
 from minddp.devices import barrier
 
 log = logging.getLogger("minddp.overlap")
@@ -276,3 +280,25 @@ def _atoms(order, times, sizes):
     if indices:
         atoms.append((indices, times[-1], nbytes))
     return atoms
+
+
+def planned_buckets(engine, reducer, device, rank, timeline, ready_times):
+    """bucket_cap_mb="auto", once, on every rank together: measure the link as
+    buckets use it, agree on ready times and link costs, plan, and build the
+    planned buckets (buckets.Bucket, already set up on the reducer's reduction)."""
+    # the reduction's own collective; a comm hook is timed as the backend's sum
+    run = getattr(reducer.reduction, "collective", None)
+    run = run if run is not None else functools.partial(native.all_reduce, group=engine.group)
+    link = measure_link(lambda t: engine.run(run, t, label="link"),
+                        lambda t: engine.submit(run, t, label="link"),
+                        engine.side_group, device, reducer.params[0].dtype,
+                        lambda probes: setup_collective(engine, run, probes, True))
+    sparse = reducer.expect_sparse  # each alone in its bucket, planned or not
+    chosen = plan(reducer.params, *agree(ready_times, link, engine.side_group, engine.device),
+                  sparse=sparse)
+    planned = buckets.allocate(reducer.params, chosen.buckets, stamp=True, sparse=sparse)
+    reducer.reduction.setup(planned)
+    log.debug("minddp (rank %d): buckets planned: %s", rank, chosen.describe())
+    if timeline is not None:
+        timeline.instant("bucket plan", **chosen.describe())
+    return planned

@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 
-def setup_job(engine, job, buffers, provisional=False):
-    """Run `job.setup(buffers, provisional)` (algorithms.planner), where the job has one,
+def setup_collective(engine, collective, buffers, provisional=False):
+    """Run `collective.setup(buffers, provisional)` (registry.py), where it has one (auto),
     on the engine, so it keeps its place among other wrappers' traffic."""
-    setup = getattr(job, "setup", None)
+    setup = getattr(collective, "setup", None)
     if setup is not None:
         engine.run(setup, buffers, provisional, label="setup")
 
@@ -72,25 +72,25 @@ def _sum_sparse(tensor, group):
 
 
 class AlgorithmReduction:
-    """Sums each bucket on the communication engine with `job(tensor) -> tensor or
-    Future` (algorithms.planner), after the reducer has divided it."""
+    """Sums each bucket on the communication engine with `collective(tensor) -> tensor or
+    Future` (registry.py), after the reducer has divided it."""
 
     prescaled = True
 
-    def __init__(self, engine, job, name, timeline=None, exact=True):
-        self.engine, self.job, self.timeline = engine, job, timeline
+    def __init__(self, engine, collective, name, timeline=None, exact=True):
+        self.engine, self.collective, self.timeline = engine, collective, timeline
         self.name = name  # for error messages: "algorithm 'ring'"
         self.carries_stamp = exact  # not with a lossy codec
 
     def setup(self, buckets, provisional=False):
         buffers = [b.carrier if b.carrier is not None else b.buffer for b in dense(buckets)]
-        setup_job(self.engine, self.job, buffers, provisional)
+        setup_collective(self.engine, self.collective, buffers, provisional)
 
     def launch(self, bucket):
         if is_sparse(bucket):
             return launch_sparse(self.engine, bucket, self.timeline)
         tensor = bucket._to_sum()  # the step check's slots too, where bucket 0 has them
-        return self.engine.submit(self.job, tensor, label=f"comm b{bucket.index()}",
+        return self.engine.submit(self.collective, tensor, label=f"comm b{bucket.index()}",
                                   device=tensor.device, timeline=self.timeline)
 
 

@@ -24,6 +24,12 @@ import socket
 import time
 import traceback
 
+import plugins
+
+# Every test module imports this one before it reads the registry, in the parent
+# and (unpickling its function) in every rank: both see the plugins' entries.
+plugins.load_all()
+
 _CTX = mp.get_context("forkserver")
 # The fork server imports torch once; every world is then forked from a process
 # that never ran a torch op, which is both fast and safe with OpenMP. What the

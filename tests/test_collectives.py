@@ -7,6 +7,7 @@ integers, so every sum is exact in every dtype, whatever the order. These run
 on gloo; NCCL's rules are tested through a strict double (test_backend_rules.py).
 """
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -18,11 +19,13 @@ import torch
 import torch.distributed as dist
 
 import minddp
-from minddp import algorithms
+from minddp import registry
 from minddp.algorithms import auto, cost_model, lanes, p2p, ring, tree
 from dist_harness import run_world
 
-OURS = ["ring", "tree", "halving_doubling"]
+# minddp's send/recv algorithms: every registered one that carries codecs on its hops.
+OURS = [n for n in registry.algorithm_names(per_hop_only=True)
+        if registry.algorithm(n).bind is None]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 
 
@@ -165,10 +168,10 @@ def _grid(rank, world_size):
         digests[algorithm] = _digest(minddp.all_reduce(noise.clone(), algorithm))
         identity = _IdentityCodec()
         tensor = _values(rank, 1000, torch.float32)
-        algorithms.ALGORITHMS[algorithm].all_reduce(tensor, None, codec=identity)
+        registry.algorithm(algorithm).all_reduce(tensor, None, codec=identity)
         assert torch.equal(tensor, _expected(world_size, 1000, torch.float32)), algorithm
         assert world_size == 1 or identity.calls["encode"] > 0, f"{algorithm} bypassed the codec"
-        module = algorithms.ALGORITHMS[algorithm]
+        module = registry.algorithm(algorithm)
         lossy = module.all_reduce(noise.clone(), None, codec=_HalfCodec())
         digests[algorithm + "+codec"] = _digest(lossy)
         # (Not torch.testing.assert_close: its first call imports sympy, seconds per rank.)
@@ -177,10 +180,10 @@ def _grid(rank, world_size):
     p2p.SEGMENT_BYTES, tree.SEGMENT_BYTES, p2p.WINDOW_BYTES = default_segments
     for algorithm in OURS:  # and in one segment (the tree's own path for it)
         digests[algorithm + " one segment"] = _digest(minddp.all_reduce(noise.clone(), algorithm))
-    chooser = auto.Chooser(dist.group.WORLD, with_native=False, codec=_IdentityCodec())
+    chooser = auto.Chooser(dist.group.WORLD, codec=_IdentityCodec())
     tensor = _values(rank, 4099, torch.float32)
     name = chooser.pick(tensor)
-    algorithms.ALGORITHMS[name].all_reduce(tensor, dist.group.WORLD, codec=_IdentityCodec())
+    registry.algorithm(name).all_reduce(tensor, dist.group.WORLD, codec=_IdentityCodec())
     assert torch.equal(tensor, _expected(world_size, 4099, torch.float32)), name
     for algorithm in OURS + ["auto"]:
         base = _values(rank, 6 * (world_size + 3), torch.float32).reshape(6, -1)
@@ -360,7 +363,7 @@ class _FakeGroup:
 
 
 def test_cost_model_fit_and_choice(caplog, monkeypatch):
-    monkeypatch.setattr(p2p, "runs_on", lambda group: True)  # a fake group has no backend
+    monkeypatch.setattr(registry.Algorithm, "can_run", lambda self, group: True)  # no backend
     sizes = [4, 1 << 10, 1 << 16, 1 << 20]
     alpha, beta = cost_model.fit(sizes, [50e-6 + s * 1e-9 for s in sizes])
     assert alpha == pytest.approx(50e-6) and beta == pytest.approx(1e-9)
@@ -380,7 +383,8 @@ def test_cost_model_fit_and_choice(caplog, monkeypatch):
     assert len(caplog.records) == 1 and "-> ring" in caplog.text
     # Without native, a codec-carrying auto never picks it, however cheap.
     cheap_native = cost_model.Costs(50e-6, 40e-6, 1e-9, 2e-10, 0.0, 0.0)
-    assert auto.Chooser(_FakeGroup(4), with_native=False, costs=cheap_native, timed=False).pick(
+    assert auto.Chooser(_FakeGroup(4), codec=_IdentityCodec(), costs=cheap_native,
+                        timed=False).pick(
         torch.empty(1)) != "native"
     assert auto.Chooser(_FakeGroup(4), costs=cheap_native, timed=False).pick(
         torch.empty(1)) == "native"
@@ -423,14 +427,15 @@ def _timed_choice_overrules_the_model(rank, world_size):
         time.sleep(0.02)
         return real_tree(tensor, group, codec)
 
-    auto.CANDIDATES["tree"] = types.SimpleNamespace(all_reduce=slow_tree)
+    registered = registry._algorithms["tree"]
+    registry._algorithms["tree"] = dataclasses.replace(registered, all_reduce=slow_tree)
     try:
         model_only = auto.Chooser(dist.group.WORLD, costs=costs, timed=False)
         timed = auto.Chooser(dist.group.WORLD, costs=costs)
         tensor = torch.ones(16)
         return model_only.pick(tensor), timed.pick(tensor), timed.pick(tensor)
     finally:
-        auto.CANDIDATES["tree"] = tree
+        registry._algorithms["tree"] = registered
 
 
 def test_auto_times_the_candidates_and_drops_a_slow_one():

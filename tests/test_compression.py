@@ -12,11 +12,12 @@ from torch import nn
 
 import minddp
 from dist_harness import run_world
-from minddp import algorithms, compression
-from minddp import compression_reference as reference
+from minddp import algorithms, compression, registry
+from minddp.compression import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALGORITHMS = [a for a in algorithms.ALGORITHMS if a != "auto"]
+# Every registered algorithm but the ones that choose among the others (auto).
+ALGORITHMS = [a for a in registry.algorithm_names() if registry.algorithm(a).bind is None]
 KERNELS = ["reference"] + (["extension"] if compression.HAVE_EXTENSION else [])
 TOLERANCE = {"fp16": 2.0 ** -10, "bf16": 2.0 ** -7}
 
@@ -26,7 +27,7 @@ def _kernels(name):
 
 
 def test_codec_round_trip_and_pass_through():
-    codec = compression.Codec("fp16", kernels=reference)
+    codec = compression.KernelCodec(torch.float16, kernels=reference)
     chunk = torch.randn(100) * 1e5  # past fp16's range without the scale
     wire = codec.encode(chunk)
     assert [t.dtype for t in wire] == [torch.float16, torch.float32]
@@ -38,7 +39,7 @@ def test_codec_round_trip_and_pass_through():
     for other in (torch.arange(5), torch.randn(5, dtype=torch.float64)):
         assert codec.encode(other)[0] is other  # Horovod's rule: not float32, not compressed
     with pytest.raises(ValueError, match="choose one of"):
-        compression.Codec("int4")
+        registry.codec("int4")
 
 
 def test_missing_extension_is_reported_once_and_pure_torch_works():
@@ -48,7 +49,7 @@ def test_missing_extension_is_reported_once_and_pure_torch_works():
             "    import minddp.compression as c, torch\n"
             "    import minddp.compression\n"
             "print(len(w), str(w[0].message)); assert not c.HAVE_EXTENSION\n"
-            "print(c.Codec('bf16').encode(torch.ones(3))[1].item())")
+            "print(minddp.registry.codec('bf16').encode(torch.ones(3))[1].item())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
     assert out.returncode == 0, out.stderr
@@ -62,13 +63,14 @@ def _all_reduce(rank, world_size, algorithm, kind, kernels):
     x[rank] = 7e4  # one big value per rank: the sum passes fp16's largest value
     world = torch.distributed.group.WORLD
     if kernels == "reference":
-        codec = compression.Codec(kind, kernels=reference)
-        reduced = (compression.native_all_reduce(x.clone(), world, codec) if algorithm == "native"
-                   else algorithms.resolve(algorithm).all_reduce(x.clone(), world, codec=codec))
+        codec = compression.KernelCodec(compression.DTYPES[kind], kernels=reference)
+        codec.name = kind
+        reduced = registry.wait_sum(registry.algorithm(algorithm).collective(world, codec),
+                                    x.clone())
     else:
         reduced = minddp.all_reduce(x.clone(), algorithm, compression=kind)
-    job = algorithms.planner(algorithm, world, compression.codec_for(kind))  # as the wrapper does
-    ints = job(torch.arange(10) * (rank + 1))
+    run = algorithms.collective(algorithm, world, registry.codec(kind))  # as the wrapper does
+    ints = run(torch.arange(10) * (rank + 1))
     ints = ints.wait() if isinstance(ints, torch.futures.Future) else ints
     return x, reduced, ints
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp
-from minddp import compression_auto
+from minddp.compression import auto as compression_auto
 from dist_harness import run_world
 
 # seconds per bucket reduction: (full precision, fp16, int8)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from minddp import compression
-from minddp import compression_reference as reference
+from minddp.compression import reference
 
 TOLERANCE = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 DTYPES = list(TOLERANCE)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import minddp
+from minddp import registry
 from dist_harness import run_world
 from models import DeepNet, batch
 
@@ -65,8 +66,8 @@ def _fault(rank, world_size, when, victim, meeting, algorithm):
 @pytest.mark.parametrize("when, victim, algorithm", [
     ("construction", 2, "auto"), ("before_backward", 2, "auto"), ("mid_backward", 1, "auto"),
     ("stuck", 2, "auto"), ("before_backward", 0, "auto"),
-    ("before_backward", 2, "native"), ("before_backward", 2, "ring"),
-    ("before_backward", 2, "tree"), ("before_backward", 2, "halving_doubling")])
+    *[("before_backward", 2, name) for name in registry.algorithm_names()
+      if registry.algorithm(name).bind is None]])
 def test_survivors_raise_naming_the_peer(when, victim, algorithm, tmp_path):
     results = run_world(_fault, 3, when, victim, str(tmp_path), algorithm, timeout=60,
                         expect_dead=(victim,))

@@ -26,6 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp
+from minddp import registry
 from dist_harness import run_world
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -140,9 +141,13 @@ def test_gradients_match_torch_ddp(world_size, backend, algorithm, compression, 
 
 
 # (algorithm, compression) for minddp.all_reduce on CUDA tensors.
-ALL_REDUCES = [("native", None), ("ring", None), ("tree", None), ("halving_doubling", None),
-               ("auto", None), ("ring", "fp16"), ("native", "fp16"), ("ring", "int8"),
-               ("tree", "int8")]
+# Every registered algorithm plain; every codec on the first per-hop algorithm and on
+# every other algorithm that can carry it.
+_PER_HOP = registry.algorithm_names(per_hop_only=True)
+ALL_REDUCES = ([(a, None) for a in registry.algorithm_names()] +
+               [(a, c) for c in registry.codec_names() for a in registry.algorithm_names()
+                if a == _PER_HOP[0] or (a not in _PER_HOP and
+                                        registry.algorithm(a).carries(registry.codec(c)) is None)])
 
 
 def _all_reduces(rank, world_size, backend):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import minddp
-from minddp import compression
+from minddp import algorithms, compression, registry
 from dist_harness import dies_in_backward, run_world
 
 HOP = 0.5 / 127  # one encoding errs by at most this share of its largest magnitude
@@ -19,7 +19,7 @@ def _all_reduce(rank, world_size, algorithm):
     return x, reduced
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "tree", "halving_doubling", "auto"])
+@pytest.mark.parametrize("algorithm", registry.algorithm_names(per_hop_only=True))
 def test_int8_all_reduce_is_bitwise_equal_and_within_its_bound(algorithm):
     world = 3
     results = run_world(_all_reduce, world, algorithm, timeout=90)
@@ -53,7 +53,7 @@ def _same_gradient_every_step(rank, world_size, algorithm, feedback):
     ddp = minddp.DDP(model, algorithm=algorithm, compression="int8")
     if not feedback:
         reduction = ddp.reducer.reduction
-        reduction.job = reduction.job.job  # the plain int8 sum, no error feedback
+        reduction.collective = reduction.collective.collective  # plain int8, no feedback
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
     exact = torch.cat([g.reshape(-1) for g in torch.autograd.grad(
         model(x).square().mean(), list(model.parameters()))])
@@ -95,8 +95,9 @@ def test_dead_peer_during_an_int8_step_raises():
 
 
 def _inf_then_finite(rank, world_size):
-    job = compression.ErrorFeedback(lambda t: minddp.all_reduce(t, "ring", compression="int8"),
-                                    compression.Codec("int8"))
+    int8 = registry.codec("int8")
+    job = compression.ErrorFeedback(
+        algorithms.collective("ring", torch.distributed.group.WORLD, int8), int8)
     x = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
     bucket = x.clone()
     if rank == 0:
@@ -123,9 +124,8 @@ def _half_encoded(rank, world_size):
         link.exchange([(peer, link.flat[:2048])], [(peer, link.flat[2048:])], "add", 7)
 
     tensor = torch.ones(4096)
-    with p2p.feeding_back(tensor, torch.zeros(4096)):
-        with pytest.raises(RuntimeError) as e:
-            p2p.run("half", body, tensor, None, compression.Codec("int8"))
+    with pytest.raises(RuntimeError) as e:
+        p2p.run("half", body, tensor, None, registry.codec("int8"), error=torch.zeros(4096))
     return str(e.value)
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import minddp
 from dist_harness import dies_in_backward, run_world
-from minddp import powersgd
+from minddp.compression import powersgd
 
 
 def test_orthonormalise_and_worth_compressing():

@@ -13,7 +13,7 @@ import torch
 
 from dist_harness import run_world
 from examples import train, train_compare, train_utils
-from minddp.algorithms import ALGORITHMS
+from minddp import registry
 
 TINY = ["--samples", "32", "--val-samples", "16", "--seq-len", "16", "--vocab", "100",
         "--d-model", "32", "--layers", "1", "--heads", "2", "--ff", "64", "--batch-size", "4",
@@ -65,11 +65,11 @@ def _ours_and_torch(rank, world_size, out, *minddp_flags):
 
 
 def _algorithms(*names):
-    """Parameters for `names`; one minddp lacks is an explicit expected failure, not a skip
-    ("auto" always exists: it falls back on what there is)."""
+    """Parameters for `names`; one not registered is an explicit expected failure, not a
+    skip."""
     return [pytest.param(name, marks=pytest.mark.xfail(
-        name != "auto" and name not in ALGORITHMS, run=False, strict=True,
-        reason=f"minddp.algorithms.ALGORITHMS has no {name!r} yet (ring/tree: issue 3)"))
+        name not in registry.algorithm_names(), run=False, strict=True,
+        reason=f"no algorithm {name!r} is registered"))
         for name in names]
 
 

@@ -18,10 +18,12 @@ per size (not of one predicted over 3x the best and over 5 ms), and makes
 every rank pick the same algorithm. Each choice is logged once at debug level
 (logger "minddp.algorithms") with the predicted and measured times.
 
-Only candidates the group's backend can run take part (`runnable`): the
-backend's own all-reduce always, our send/recv algorithms where p2p.py knows
-the backend's rules (p2p.runs_on). Every tensor the timing puts on the group
-is on the group's device (devices.group_device).
+The candidates are the registered algorithms (registry.py) not registered
+with auto=False, in registration order, that the group's backend can run
+(`runnable`: Algorithm.runs_on; our send/recv ones where p2p.py knows the
+backend's rules), and with a codec only those that put it on every hop. One
+without a cost formula is timed on every size. Every tensor the timing puts
+on the group is on the group's device (devices.group_device).
 """
 import logging
 import random
@@ -30,16 +32,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from minddp import devices
-from minddp.algorithms import cost_model, halving_doubling, native, p2p, ring, tree
+from minddp import devices, registry
+from minddp.algorithms import cost_model
 
 log = logging.getLogger("minddp.algorithms")
 
-# The algorithms auto chooses among, in order of preference on a tie.
-CANDIDATES = {"ring": ring, "tree": tree, "halving_doubling": halving_doubling,
-              "native": native}
-
-_choosers = {}  # (group, codec) -> Chooser, for calls outside a wrapper
+_choosers = {}  # (group, codec) -> Chooser: wrappers and calls on one group share its timings
 # (global ranks, backend) -> Costs. Every rank of a group builds the same
 # groups in the same order, so all find (or all miss) the same entry.
 _measured = {}
@@ -52,17 +50,19 @@ class Chooser:
     `codec` is what the candidates are timed with (compression).
     """
 
-    def __init__(self, group, with_native=True, costs=None, codec=None, timed=True):
+    def __init__(self, group, costs=None, codec=None, timed=True):
         self.group, self.p, self.codec, self.timed = group, group.size(), codec, timed
-        # A codec can only ride on our own hops, not inside the backend's all-reduce.
-        self.names = [n for n in runnable(group) if with_native or n != "native"]
+        self.names = runnable(group, codec)
         if not self.names:
-            raise ValueError(f"minddp auto (rank {group.rank()}): no algorithm can run on the "
-                             f"{devices.backend_of(group)!r} backend with compression (its "
-                             f"point-to-point rules are not known, see p2p.runs_on); use "
-                             f"compression=None.")
-        alone = self.p == 1 or len(self.names) == 1  # nothing to measure
-        self.costs = costs if costs is not None or alone else _costs_of(group)
+            raise ValueError(f"minddp auto (rank {group.rank()}): no registered algorithm can "
+                             f"run on the {devices.backend_of(group)!r} backend"
+                             f"{' with compression ' + repr(codec.name) if codec else ''} "
+                             f"(point-to-point rules unknown there, see p2p.runs_on); use "
+                             f"compression=None or another algorithm.")
+        self.collectives = {n: registry.algorithm(n).collective(group, codec)
+                            for n in self.names}
+        self.alone = self.p == 1 or len(self.names) == 1  # nothing to choose
+        self.costs = costs if costs is not None or self.alone else _costs_of(group)
         self._picked = {}
         self._predicted_only = set()  # sizes picked by the model alone: tune() times them
 
@@ -86,28 +86,35 @@ class Chooser:
         picked = self._picked.get(nbytes)
         if picked is not None:
             return picked
-        if self.costs is None:  # a world of one, or a single candidate
+        if self.alone:
             self._picked[nbytes] = self.names[0]
             return self.names[0]
-        predicted = {n: cost_model.predict(n, nbytes, self.p, self.costs) for n in self.names}
+        predicted = {n: None if self.costs is None else
+                     cost_model.predict(n, nbytes, self.p, self.costs) for n in self.names}
+        known = [t for t in predicted.values() if t is not None]
         if timed and self.timed and nbytes > 0:
             # Not worth timing: a candidate predicted to take over 3x the best
             # and over 5 ms (the tree on large buckets): the model's errors are
-            # tens of percent, not 3x, and each round would cost the most.
-            best = min(predicted.values())
-            candidates = [n for n in self.names if predicted[n] <= max(3 * best, 5e-3)]
+            # tens of percent, not 3x, and each round would cost the most. One
+            # without a formula is always timed, as if it took the slowest's time.
+            best, worst = (min(known), max(known)) if known else (0.0, 1e-3)
+            guess = {n: worst if t is None else t for n, t in predicted.items()}
+            candidates = [n for n in self.names if guess[n] <= max(3 * best, 5e-3)
+                          or predicted[n] is None]
             times = self._time(tensor.numel(), tensor.dtype, tensor.device, candidates,
-                               sum(predicted[n] for n in candidates))
+                               sum(guess[n] for n in candidates))
             measured = {n: times[i].median().item() for i, n in enumerate(candidates)}
             self._picked[nbytes] = _fastest(times, candidates)
         else:
             measured = {}
-            self._picked[nbytes] = min(self.names, key=predicted.__getitem__)
+            modelled = [n for n in self.names if predicted[n] is not None] or self.names
+            self._picked[nbytes] = min(modelled, key=lambda n: predicted[n] or 0.0)
             if self.timed and not timed:
                 self._predicted_only.add(nbytes)
         log.debug("minddp auto on %d ranks: %d-byte bucket -> %s (predicted %s%s)",
                   self.p, nbytes, self._picked[nbytes],
-                  ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in predicted.items()),
+                  ", ".join(f"{n} {t * 1e3:.3f} ms" if t is not None else f"{n} (no formula)"
+                            for n, t in predicted.items()),
                   "; measured " + ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in measured.items())
                   if measured else "")
         return self._picked[nbytes]
@@ -158,9 +165,7 @@ class Chooser:
         return max(FEWEST_ROUNDS, int(SIZE_BUDGET_S / max(spent.item(), 1e-9)))
 
     def _run(self, name, tensor):
-        if name == "native":
-            return native.all_reduce(tensor, self.group)
-        return CANDIDATES[name].all_reduce(tensor, self.group, codec=self.codec)
+        return registry.wait_sum(self.collectives[name], tensor)
 
 
 # Timed rounds per size where they are cheap. Large buckets fit only a
@@ -186,7 +191,7 @@ def _relative(times, names):
     return {n: ratios[i].median().item() for i, n in enumerate(names)}
 
 
-# No side is favoured beyond the order of CANDIDATES on an exact tie, which
+# No side is favoured beyond the order of registration on an exact tie, which
 # is not rare: a candidate's ratio is exactly 1 in each round it wins, and
 # torch.median takes the lower middle of an even count, so two candidates
 # that each win half the rounds both score 1 and the first listed is kept.
@@ -201,29 +206,63 @@ def _fastest(times, names):
     return min(names, key=scores.__getitem__)
 
 
-def runnable(group):
-    """The names in CANDIDATES that `group`'s backend can run, in CANDIDATES' order."""
-    return [n for n in CANDIDATES if n == "native" or p2p.runs_on(group)]
+def runnable(group, codec=None):
+    """The registered candidates that can run on `group` (with `codec` on every hop), in
+    registration order."""
+    return [n for n in registry.algorithm_names(auto_only=True)
+            if registry.algorithm(n).can_run(group)
+            and (codec is None or registry.algorithm(n).per_hop)]
 
 
 def _costs_of(group):
+    """The group's measured Costs, or None where the model cannot be calibrated (it times
+    minddp's ring and tree, which the backend may not run): every candidate is timed."""
+    if not cost_model.can_measure(group):
+        return None
     key = (tuple(dist.get_process_group_ranks(group)), dist.get_backend(group))
     if key not in _measured:
         _measured[key] = cost_model.measure(group)
     return _measured[key]
 
 
-def all_reduce(tensor, group=None, codec=None):
+def chooser(group, codec=None):
+    """The one Chooser of `group` and `codec` (construct on every rank of the group at once)."""
+    if (group, codec) not in _choosers:
+        _choosers[group, codec] = Chooser(group, codec=codec)
+    return _choosers[group, codec]
+
+
+def bind(group, codec=None):
+    """algorithm="auto"'s collective: `collective(tensor, error=None)`, with
+    `collective.setup(buffers, provisional=False)`, which decides for each buffer's
+    size now: a collective itself (every rank, same buffers, same point of its
+    program), timing the candidates once per size, group and codec;
+    provisional=True (sizes in use only briefly) asks the model alone."""
+    def collective(tensor, error=None):
+        picker = chooser(group, codec)
+        run = picker.collectives[picker.pick(tensor)]
+        return run(tensor) if error is None else run(tensor, error=error)
+
+    def setup(buffers, provisional=False):
+        chooser(group, codec).tune(buffers, not provisional)
+    collective.setup = setup
+    return collective
+
+
+def all_reduce(tensor, group=None, codec=None, error=None):
     """In-place sum of `tensor` over `group` with the fastest algorithm for its size.
 
     Every rank of the group must call it: the first call on a group measures
     the links, the first call with each size times the candidates.
     """
     group = group if group is not None else dist.group.WORLD
-    key = (group, codec)
-    if key not in _choosers:
-        _choosers[key] = Chooser(group, with_native=codec is None, codec=codec)
-    name = _choosers[key].pick(tensor)
-    if name == "native":
-        return native.all_reduce(tensor, group)
-    return CANDIDATES[name].all_reduce(tensor, group, codec=codec)
+    picker = chooser(group, codec)
+    name = picker.pick(tensor)
+    if codec is None:  # the plain, synchronous form (native's takes strided views too)
+        registry.algorithm(name).all_reduce(tensor, group)
+        return tensor
+    run = picker.collectives[name]
+    return registry.wait_sum(lambda t: run(t) if error is None else run(t, error=error), tensor)
+
+
+registry.register_algorithm("auto", all_reduce, auto=False, per_hop=True, bind=bind)

@@ -6,21 +6,21 @@
     beta   seconds per byte on the wire
     gamma  seconds per byte to add two buffers locally
     native_alpha, native_beta   a line fitted to the backend's own all-reduce
-The formulas are the ones in each algorithm's docstring. `measure(group)` is
+Each registered algorithm's `cost(nbytes, p, costs)` holds its formula (see its
+docstring); `predict` looks it up. `measure(group)` is
 a collective: every rank of the group calls it, and all get the same Costs
 (each value is the maximum over ranks, which is exact), so every rank
 predicts, and picks, the same algorithm for the same bucket.
 """
 import logging
-import math
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from minddp import devices
-from minddp.algorithms import ring, tree
+from minddp import devices, registry
+from minddp.algorithms import p2p, ring, tree
 
 log = logging.getLogger("minddp.algorithms")
 
@@ -40,26 +40,12 @@ class Costs:
 
 
 def predict(algorithm, nbytes, p, c):
-    """Predicted seconds for an all-reduce of `nbytes` over `p` ranks."""
+    """Predicted seconds for an all-reduce of `nbytes` over `p` ranks with the registered
+    `algorithm` (its cost formula), or None where it has none."""
     if p == 1 or nbytes == 0:
         return 0.0
-    if algorithm == "native":
-        return c.native_alpha + c.native_beta * nbytes
-    if algorithm == "ring":
-        return 2 * (p - 1) * c.alpha + (p - 1) / p * nbytes * (2 * c.beta + c.gamma)
-    if algorithm == "tree":
-        depth, fan = int(math.log2(p)), min(2, p - 1)
-        k = math.ceil(nbytes / tree.SEGMENT_BYTES)
-        if p == 2 and nbytes <= tree.EXCHANGE_BYTES:  # the exchange (assumes no codec)
-            return tree.hops(p) * (c.hop + nbytes * c.beta) + nbytes * c.gamma
-        segment = fan * nbytes / k
-        return ((2 * depth + k - 1) * (c.hop + segment * c.beta) +
-                (depth + k - 1) * segment * c.gamma)
-    if algorithm == "halving_doubling":
-        q = 1 << (p.bit_length() - 1)
-        fold = 0.0 if q == p else 2 * c.alpha + nbytes * (2 * c.beta + c.gamma)
-        return fold + 2 * math.log2(q) * c.alpha + (q - 1) / q * nbytes * (2 * c.beta + c.gamma)
-    raise ValueError(f"minddp cost model: no formula for algorithm {algorithm!r}")
+    cost = registry.algorithm(algorithm).cost
+    return None if cost is None else cost(nbytes, p, c)
 
 
 def fit(sizes, seconds):
@@ -74,6 +60,11 @@ def fit(sizes, seconds):
 
 # Measurements taken again when they are impossible (see measure).
 ATTEMPTS = 3
+
+
+def can_measure(group):
+    """Whether measure() can run on `group`: it calibrates on the ring and the tree."""
+    return p2p.runs_on(group)
 
 
 def measure(group, repeats=(15, 7)):

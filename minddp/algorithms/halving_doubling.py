@@ -15,14 +15,28 @@ on 4+ ranks; on 2 ranks it is the ring.
 Every rank ends bitwise identical: each chunk is summed on one rank only, then
 copied (codec wires are forwarded as received; the unfold sends raw bits).
 """
+import math
+
+from minddp import registry
 from minddp.algorithms import p2p
 
 FOLD, HALVING, DOUBLING, UNFOLD = 30, 31, 32, 33  # p2p tags, one per phase
 
 
-def all_reduce(tensor, group=None, codec=None):
+def all_reduce(tensor, group=None, codec=None, error=None):
     """In-place sum of `tensor` over `group` (every rank calls it); returns the tensor."""
-    return p2p.run("halving_doubling", _halving_doubling, tensor, group, codec)
+    return p2p.run("halving_doubling", _halving_doubling, tensor, group, codec, error=error)
+
+
+def cost(nbytes, p, c):
+    """Predicted seconds (the formula above; c: cost_model.Costs)."""
+    q = 1 << (p.bit_length() - 1)
+    fold = 0.0 if q == p else 2 * c.alpha + nbytes * (2 * c.beta + c.gamma)
+    return fold + 2 * math.log2(q) * c.alpha + (q - 1) / q * nbytes * (2 * c.beta + c.gamma)
+
+
+registry.register_algorithm("halving_doubling", all_reduce, cost=cost, per_hop=True,
+                            runs_on=p2p.runs_on)
 
 
 def _halving_doubling(link):

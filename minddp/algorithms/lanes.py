@@ -23,6 +23,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from minddp.errors import first_line
+
 _reverse = {}  # group -> the group carrying its messages from higher to lower ranks
 
 
@@ -55,7 +57,7 @@ def open_lanes(group):
             f"minddp (rank {group.rank()} of {group.size()}): opening the reverse lane of a "
             f"gloo group (a second group over its ranks {ranks}, see minddp/algorithms/lanes.py) "
             f"failed: a peer died, or did not make the same call, within the group's timeout. "
-            f"Fix the peer's failure first. Cause: {str(e).strip().splitlines()[0]}") from e
+            f"Fix the peer's failure first. Cause: {first_line(e)}") from e
     # Both number their members in the same order (new_group sorts the ranks),
     # so a peer's rank in one is its rank in the other.
     assert dist.get_process_group_ranks(lane) == ranks, (ranks, lane)

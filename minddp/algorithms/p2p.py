@@ -44,11 +44,11 @@ disagree on what they are doing time out with an error instead of mixing data.
 
 The codec protocol (compression): `encode(chunk) -> list[Tensor]` (the wire),
 `decode_add_(dst, wire)` (dst += decoded), `decode_(dst, wire)` (dst =
-decoded) and `wire_itemsize(dtype)` (bytes per element on the wire).
+decoded) and `wire_itemsize(dtype)` (bytes per element on the wire, maybe
+fractional); registry.Codec implements it from two functions.
 Receive buffers take the shapes and dtypes of the codec's own encoding of a
 chunk of the same size (found once per size, then cached).
 """
-import contextlib
 import math
 import threading
 import weakref
@@ -90,13 +90,20 @@ def runs_on(group):
     return devices.backend_of(group) == "gloo" or devices.is_device_backend(group)
 
 
-def run(algorithm, body, tensor, group, codec=None, segment_bytes=None):
+def run(algorithm, body, tensor, group, codec=None, segment_bytes=None, error=None):
     """Sum `tensor` in place over `group` with `body(link)`; return the tensor.
 
     Every rank of the group must call it with a tensor of the same shape and
     dtype; on a backend with NCCL's rules, on the group's device
     (devices.group_device). Non-contiguous tensors are reduced through a
-    contiguous copy. `segment_bytes` defaults to SEGMENT_BYTES. The first call
+    contiguous copy. `segment_bytes` defaults to SEGMENT_BYTES.
+
+    `error` (with a codec: error feedback): float32, contiguous, as many
+    elements as `tensor`, on its device. Every encoding on this rank's hops
+    (Codec.encode_with_feedback) then encodes the values minus `error` at
+    those elements and sets `error` there to what it changed (decoded minus
+    encoded). The algorithm must encode each element exactly once on this
+    rank (all of minddp's do); the sum checks that it did. The first call
     on a gloo group ends by opening the group's reverse lane (lanes.py), on
     every rank alike.
     """
@@ -107,7 +114,10 @@ def run(algorithm, body, tensor, group, codec=None, segment_bytes=None):
         return tensor
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     opened = lanes.is_open(group)
-    error = _error_of(tensor) if codec is not None and work is tensor else None
+    if error is not None and (codec is None or error.numel() != tensor.numel()):
+        raise ValueError(f"minddp {algorithm} all-reduce (rank {rank}): error feedback needs a "
+                         f"codec and a record of {tensor.numel()} elements, got "
+                         f"{None if error is None else error.numel()} with codec {codec!r}")
     _reduce(algorithm, body, _flat(work), group, codec, segment_bytes, rank, size, backend,
             error)
     if work is not tensor:
@@ -131,29 +141,6 @@ def _check_dense(tensor, algorithm, group):
 def _flat(tensor):
     """A contiguous tensor as 1-D: itself if it already is (a view costs Python time)."""
     return tensor if tensor.dim() == 1 else tensor.view(-1)
-
-
-@contextlib.contextmanager
-def feeding_back(tensor, error):
-    """Within it, every encoding of `tensor`'s elements on this thread (this rank's
-    hops of an all-reduce of `tensor` with an int8 codec) is error feedback
-    (Codec.encode_with_feedback): it encodes the values minus `error` at those
-    elements, then sets `error` there to what it changed (decoded minus encoded).
-    `error`: float32, contiguous, as many elements as `tensor`, on its device. The
-    algorithm must encode each element exactly once on this rank (all of minddp's
-    do); the sum checks that it did.
-    """
-    _local.feedback = (tensor, error)
-    try:
-        yield
-    finally:
-        _local.feedback = None
-
-
-def _error_of(tensor):
-    """The error feedback record for an all-reduce of `tensor` (feeding_back), or None."""
-    feedback = getattr(_local, "feedback", None)
-    return feedback[1] if feedback is not None and feedback[0] is tensor else None
 
 
 def _reduce(algorithm, body, flat, group, codec, segment_bytes, rank, size, backend, error):
@@ -183,7 +170,7 @@ def _reduce(algorithm, body, flat, group, codec, segment_bytes, rank, size, back
 
 
 def _check_fed_back_once(link):
-    """Error feedback is exact only if this rank encoded every element once (feeding_back)."""
+    """Error feedback is exact only if this rank encoded every element once (run's error)."""
     covered = 0  # the stretches, in order, must tile [0, numel): no gap, no overlap
     for start, end in sorted(link.fed_back):
         covered = end if start == covered else -1
@@ -201,7 +188,7 @@ class Link:
     def __init__(self, algorithm, flat, group, codec, segment_bytes, rank, size, backend,
                  error=None):
         self.algorithm, self.group, self.codec = algorithm, group, codec
-        self.record = error  # flat's error feedback record (feeding_back)
+        self.record = error  # flat's error feedback record (run's error)
         self.fed_back = []  # (start, end) of each stretch encoded with it
         self.reverse = lanes.reverse(group)  # carries messages to lower ranks
         # gloo's rules, or NCCL's (every other backend runs_on accepts).
@@ -211,7 +198,7 @@ class Link:
         self.numel, self.itemsize = flat.numel(), flat.element_size()
         # Segments are sized by what travels: compressed, twice the elements.
         wire_size = codec.wire_itemsize(flat.dtype) if codec is not None else self.itemsize
-        self.segment = max(1, self.numel if self.grouped else segment_bytes // wire_size)
+        self.segment = max(1, self.numel if self.grouped else int(segment_bytes // wire_size))
 
     def segments(self, start, end):
         """Views of the flat tensor's [start, end) cut into segments; an empty range

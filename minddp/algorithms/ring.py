@@ -18,14 +18,23 @@ Every rank ends bitwise identical: each chunk is summed on one rank only and
 then copied (with a codec, its owner's encoding is decoded on every rank,
 the owner included, and forwarded as received, never re-encoded).
 """
+from minddp import registry
 from minddp.algorithms import p2p
 
 REDUCE_SCATTER, ALL_GATHER = 10, 11  # p2p tags, one per phase
 
 
-def all_reduce(tensor, group=None, codec=None):
+def all_reduce(tensor, group=None, codec=None, error=None):
     """In-place sum of `tensor` over `group` (every rank calls it); returns the tensor."""
-    return p2p.run("ring", _ring, tensor, group, codec)
+    return p2p.run("ring", _ring, tensor, group, codec, error=error)
+
+
+def cost(nbytes, p, c):
+    """Predicted seconds (the formula above; c: cost_model.Costs)."""
+    return 2 * (p - 1) * c.alpha + (p - 1) / p * nbytes * (2 * c.beta + c.gamma)
+
+
+registry.register_algorithm("ring", all_reduce, cost=cost, per_hop=True, runs_on=p2p.runs_on)
 
 
 def _ring(link):

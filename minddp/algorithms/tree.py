@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from minddp import registry
 from minddp.algorithms import p2p
 
 # One p2p tag: up and down messages travel in opposite directions, so between
@@ -45,9 +46,24 @@ SEGMENT_BYTES = 256 << 10
 EXCHANGE_BYTES = 64 << 10
 
 
-def all_reduce(tensor, group=None, codec=None):
+def all_reduce(tensor, group=None, codec=None, error=None):
     """In-place sum of `tensor` over `group` (every rank calls it); returns the tensor."""
-    return p2p.run("tree", _tree, tensor, group, codec, segment_bytes=SEGMENT_BYTES)
+    return p2p.run("tree", _tree, tensor, group, codec, segment_bytes=SEGMENT_BYTES,
+                   error=error)
+
+
+def cost(nbytes, p, c):
+    """Predicted seconds (the formulas above, pipelined in segments; c: cost_model.Costs)."""
+    depth, fan = int(math.log2(p)), min(2, p - 1)
+    k = math.ceil(nbytes / SEGMENT_BYTES)
+    if p == 2 and nbytes <= EXCHANGE_BYTES:  # the exchange (assumes no codec)
+        return hops(p) * (c.hop + nbytes * c.beta) + nbytes * c.gamma
+    segment = fan * nbytes / k
+    return ((2 * depth + k - 1) * (c.hop + segment * c.beta) +
+            (depth + k - 1) * segment * c.gamma)
+
+
+registry.register_algorithm("tree", all_reduce, cost=cost, per_hop=True, runs_on=p2p.runs_on)
 
 
 def hops(p):

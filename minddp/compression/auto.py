@@ -35,24 +35,26 @@ import logging
 import torch
 import torch.distributed as dist
 
-from minddp import devices
-from minddp.algorithms import planner, sum_now
+from minddp import devices, registry
+from minddp.algorithms import collective
 from minddp.algorithms.cost_model import interleaved
-from minddp.compression import ErrorFeedback, _is_native, codec_for
-from minddp.reduction import dense, is_sparse, launch_sparse, setup_job
+from minddp.compression.codecs import ErrorFeedback
+from minddp.reduction import dense, is_sparse, launch_sparse, setup_collective
 
 log = logging.getLogger("minddp.compression")
 
 MARGIN = 0.05           # a codec must be this much faster than every more accurate one
-ERROR_BUDGET = {"fp16": 1e-2, "int8": 5e-2}  # relative error of a reduced bucket
+# The registered codecs auto tries, in order of accuracy, with the relative
+# error of a reduced bucket each may cause.
+ERROR_BUDGET = {"fp16": 1e-2, "int8": 5e-2}
 CHECK_EVERY = 100       # reductions of a compressed bucket between error checks
 TIMING_ROUNDS = 3
 
 
-def _lossy_job(algorithm, group, name):
-    codec = codec_for(name)
-    job = planner(algorithm, group, codec)
-    return ErrorFeedback(job, codec) if name == "int8" else job
+def _lossy(algorithm, group, name):
+    codec = registry.codec(name)
+    run = collective(algorithm, group, codec)
+    return ErrorFeedback(run, codec) if codec.error_feedback else run
 
 
 class AutoCompression:
@@ -64,11 +66,12 @@ class AutoCompression:
     def __init__(self, engine, algorithm, group, name, timeline=None):
         self.engine, self.group, self.timeline = engine, group, timeline
         self.algorithm = algorithm
-        self.exact = planner(algorithm, group)
-        # in order of accuracy; the backend's all-reduce cannot sum int8 (compression.py)
-        self.codecs = ("fp16",) if _is_native(algorithm) else ("fp16", "int8")
-        self.lossy = {name: _lossy_job(algorithm, group, name) for name in self.codecs}
-        self.job = self.exact  # what a full-precision reduction runs (overlap.py times it)
+        self.exact = collective(algorithm, group)
+        # those the algorithm can carry (the backend's all-reduce cannot sum int8)
+        self.codecs = tuple(name for name in ERROR_BUDGET
+                            if registry.algorithm(algorithm).carries(registry.codec(name)) is None)
+        self.lossy = {name: _lossy(algorithm, group, name) for name in self.codecs}
+        self.collective = self.exact  # what a full-precision reduction runs (overlap.py times it)
         self.name = f"{name} with compression 'auto'"
         self.compressed = {}  # bucket index -> the codec it travels with, or None
         self._reductions = {}  # bucket index -> compressed reductions so far
@@ -83,23 +86,23 @@ class AutoCompression:
         buffers = [b.carrier if b.carrier is not None else b.buffer for b in buckets]
         if provisional:  # a few backwards before the plan: full precision, nothing timed
             self.compressed = {b.index: None for b in buckets}
-            setup_job(self.engine, self.exact, buffers, provisional=True)
+            setup_collective(self.engine, self.exact, buffers, provisional=True)
             return
         self.engine.run(self._decide, buckets, buffers, label="setup")
 
     def _decide(self, buckets, buffers):
         """On the communication thread, on every rank: time each bucket every way."""
-        for job in (self.exact, *self.lossy.values()):
-            if getattr(job, "setup", None) is not None:
-                job.setup(buffers)
+        for run in (self.exact, *self.lossy.values()):
+            if getattr(run, "setup", None) is not None:
+                run.setup(buffers)
         # Timed with their own error feedback, thrown away after: probes are not gradients.
-        timed = [self.exact] + [_lossy_job(self.algorithm, self.group, name)
+        timed = [self.exact] + [_lossy(self.algorithm, self.group, name)
                                 for name in self.codecs]
         ways = len(timed)
         times = []
         for buffer in buffers:
             probe = torch.zeros_like(buffer)
-            times += interleaved([lambda job=job: sum_now(job, probe) for job in timed],
+            times += interleaved([lambda run=run: registry.wait_sum(run, probe) for run in timed],
                                  TIMING_ROUNDS, self.group, probe.device)
         # The slowest rank's, agreed on the group's device (NCCL takes no CPU tensor).
         agreed = torch.tensor(times, dtype=torch.float64, device="cpu")
@@ -144,8 +147,8 @@ class AutoCompression:
         self._reductions[b] = n + 1
         if n % CHECK_EVERY:
             return self.lossy[name](tensor)
-        exact = sum_now(self.exact, tensor.clone())
-        sum_now(self.lossy[name], tensor)
+        exact = registry.wait_sum(self.exact, tensor.clone())
+        registry.wait_sum(self.lossy[name], tensor)
         error = float((tensor - exact).norm() / exact.norm().clamp_min(1e-30))
         if error > ERROR_BUDGET[name]:
             self.compressed[b] = None

@@ -29,8 +29,8 @@ import dataclasses
 
 import torch
 
-from minddp.algorithms import sum_now
-from minddp.reduction import dense, is_sparse, launch_sparse, setup_job
+from minddp import registry
+from minddp.reduction import dense, is_sparse, launch_sparse, setup_collective
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,13 +142,13 @@ class BucketState:
 
 
 class PowerSGDReduction:
-    """The seam's interface (reduction.py) for PowerSGD on a summing `job` (algorithms.planner)."""
+    """The seam's interface (reduction.py) for PowerSGD on a `collective` (registry.py)."""
 
     prescaled = True       # buckets hold gradient / world size: sums are means
     carries_stamp = False  # lossy: the step check runs on its own
 
-    def __init__(self, engine, job, settings, world_size, name, timeline=None):
-        self.engine, self.job, self.settings = engine, job, settings
+    def __init__(self, engine, collective, settings, world_size, name, timeline=None):
+        self.engine, self.collective, self.settings = engine, collective, settings
         self.world_size, self.timeline = world_size, timeline
         self.name = f"{name} with PowerSGD (rank {settings.rank})"  # for error messages
         self.states = {}
@@ -162,7 +162,7 @@ class PowerSGDReduction:
         buffers = [b.buffer for b in dense(buckets)]
         for s in self.states.values():
             buffers += [t for t in (s.p, s.q, s.rest) if t.numel()]
-        setup_job(self.engine, self.job, buffers, provisional)
+        setup_collective(self.engine, self.collective, buffers, provisional)
 
     def launch(self, bucket):
         if is_sparse(bucket):  # no matrix to factorise: summed as it is
@@ -177,28 +177,28 @@ class PowerSGDReduction:
         gradients, written into `buffer`."""
         state.steps += 1
         if state.steps <= self.settings.warmup_steps or not state.matrices:
-            return sum_now(self.job, buffer)
+            return registry.wait_sum(self.collective, buffer)
         for grad, rest in state.plain:
             rest.copy_(grad)
         for grad, M, P, Q in state.matrices:
             M.add_(grad)  # M = gradient + error, built in the error buffer itself
             torch.matmul(M, Q, out=P)
-        sum_now(self.job, state.p)
+        registry.wait_sum(self.collective, state.p)
         if not bool(torch.isfinite(state.p).all()):
             # An inf or NaN (an fp16 overflow GradScaler will skip) must reach .grad as it
             # is and must not live on in the error: this step goes uncompressed and the
             # error starts afresh. P's sum is the same everywhere: every rank branches alike.
             state.error.zero_()
-            return sum_now(self.job, buffer)
+            return registry.wait_sum(self.collective, buffer)
         for _, M, P, Q in state.matrices:
             orthonormalise_(P)
             # Q = M^T P computed as (P^T M)^T: M^T is a transposed view, and a product
             # that reads it so runs up to 8x slower on CPU (2048 x 2048, rank 4: 30 ms
             # against 4 ms on one thread).
             Q.copy_(torch.mm(P.t(), M).t())
-        sum_now(self.job, state.q)
+        registry.wait_sum(self.collective, state.q)
         if state.plain:
-            sum_now(self.job, state.rest)
+            registry.wait_sum(self.collective, state.rest)
         for grad, M, P, Q in state.matrices:
             torch.matmul(P, Q.t(), out=grad)  # the result, in the bucket
             M.sub_(grad, alpha=1.0 / self.world_size)  # error = M - result / p, in place

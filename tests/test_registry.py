@@ -1,0 +1,142 @@
+"""The public extension API (minddp.register_algorithm / register_codec) and its one registry:
+what registration accepts and refuses, and that nothing outside the registry compares names."""
+import ast
+import os
+
+import pytest
+import torch
+
+import minddp
+from dist_harness import run_world
+from minddp import registry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """Registrations made in a test vanish after it."""
+    monkeypatch.setattr(registry, "_algorithms", dict(registry._algorithms))
+    monkeypatch.setattr(registry, "_codecs", dict(registry._codecs))
+
+
+def test_builtins_are_registered_through_the_public_door():
+    assert registry.algorithm_names()[:5] == ["ring", "tree", "halving_doubling", "native",
+                                              "auto"]
+    assert registry.codec_names()[:3] == ["fp16", "bf16", "int8"]
+    assert minddp.register_algorithm is registry.register_algorithm
+    assert minddp.register_codec is registry.register_codec
+    assert "auto" not in registry.algorithm_names(auto_only=True)  # not its own candidate
+
+
+def test_register_as_decorator_and_as_call(scratch_registry):
+    @minddp.register_algorithm("mine")
+    def mine(tensor, group):
+        return tensor
+
+    assert registry.algorithm("mine").all_reduce is mine
+    minddp.register_algorithm("mine_manual", mine, auto=False)
+    assert "mine" in registry.algorithm_names(auto_only=True)
+    assert "mine_manual" not in registry.algorithm_names(auto_only=True)
+    assert "mine_manual" in registry.algorithm_names()
+
+
+def test_bad_registrations_are_refused(scratch_registry):
+    with pytest.raises(ValueError, match="registered already"):
+        minddp.register_algorithm("ring", lambda t, g: t)
+    with pytest.raises(ValueError, match="identifier"):
+        minddp.register_algorithm("my ring", lambda t, g: t)
+    with pytest.raises(TypeError, match="callable"):
+        minddp.register_algorithm("nope", 3)
+    with pytest.raises(TypeError, match="encode and decode"):
+        minddp.register_codec("half", encode=lambda t: (t,))
+    with pytest.raises(ValueError, match="whole-bucket"):
+        minddp.register_codec("powersgd", encode=lambda t: (t,), decode=lambda w: w[0])
+    with pytest.raises(ValueError, match="register_algorithm"):
+        registry.algorithm("nonesuch")
+    with pytest.raises(ValueError, match="register_codec"):
+        registry.codec("nonesuch")
+
+
+def test_a_function_codec_round_trips_and_feeds_back(scratch_registry):
+    codec = minddp.register_codec("halves", encode=lambda t: (t.half(),),
+                                  decode=lambda w: w[0].float(), error_feedback=True)
+    chunk = torch.tensor([1.0, 1e-4 + 1e-8, 70000.0])
+    wire = codec.encode(chunk)
+    assert [w.dtype for w in wire] == [torch.float16]
+    dst = torch.ones(3)
+    codec.decode_add_(dst, wire)
+    assert torch.equal(dst, 1 + chunk.half().float())
+    error = torch.zeros(3)
+    codec.encode_with_feedback(chunk.clone(), error)
+    assert error[2] == 0  # 70000 -> inf in fp16: not carried on
+    assert error[1] == chunk.half().float()[1] - chunk[1]
+    assert codec.wire_itemsize(torch.float32) == 2
+    assert codec.encode(torch.arange(3))[0].dtype == torch.int64  # passes through
+
+
+def test_what_an_algorithm_can_carry(scratch_registry):
+    minddp.register_algorithm("plain", lambda t, g: t)
+    plain, int8, fp16 = (registry.algorithm("plain"), registry.codec("int8"),
+                         registry.codec("fp16"))
+    assert plain.carries(fp16) is None  # fp16 can be summed whole
+    assert "error feedback" in plain.carries(int8)
+    with pytest.raises(ValueError, match="cannot carry compression 'int8'"):
+        plain.collective(None, int8)
+    assert registry.algorithm("ring").carries(int8) is None
+
+
+def _user_algorithm_everywhere(rank, world_size):
+    calls = []
+
+    @minddp.register_algorithm("counted")
+    def counted(tensor, group):
+        calls.append(tensor.numel())
+        torch.distributed.all_reduce(tensor, group=group)
+        return tensor
+
+    t = torch.full((5,), float(rank + 1))
+    minddp.all_reduce(t, algorithm="counted")
+    model = torch.nn.Linear(4, 2)
+    ddp = minddp.DDP(model, algorithm="counted")
+    ddp(torch.ones(3, 4)).sum().backward()
+    auto = minddp.DDP(torch.nn.Linear(4, 2), algorithm="auto")  # times "counted" too
+    return t, len(calls), [p.grad for p in model.parameters()], auto.reducer is not None
+
+
+def test_a_registered_algorithm_runs_in_all_reduce_the_wrapper_and_auto():
+    for t, calls, grads, _ in run_world(_user_algorithm_everywhere, 2):
+        assert torch.equal(t, torch.full((5,), 3.0))
+        assert calls >= 2 + 2  # all_reduce, the wrapper's bucket, auto's timing of it
+        assert all(g is not None for g in grads)
+
+
+# Where names must not be compared: the reducer, the wrapper, the seam and the
+# algorithms' shared code (registry.py is where names are looked up).
+NO_NAMES = ["minddp/ddp.py", "minddp/reducer.py", "minddp/reduction.py", "minddp/arguments.py",
+            "minddp/algorithms/__init__.py", "minddp/algorithms/p2p.py",
+            "minddp/algorithms/auto.py", "minddp/algorithms/cost_model.py",
+            "minddp/compression/__init__.py"]
+
+
+def _compared_names(source, names):
+    """(line, name) of each comparison of a literal name, but bucket_cap_mb="auto"'s."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            if "cap" in ast.unparse(node):  # bucket_cap_mb == "auto": not an algorithm
+                continue
+            for part in [node.left, *node.comparators]:
+                values = part.elts if isinstance(part, (ast.Tuple, ast.List, ast.Set)) else [part]
+                found += [(node.lineno, v.value) for v in values
+                          if isinstance(v, ast.Constant) and v.value in names]
+    return found
+
+
+def test_no_algorithm_or_codec_name_is_compared_outside_the_registry():
+    names = set(registry.algorithm_names()) | set(registry.compression_names())
+    found = {path: hits for path in NO_NAMES
+             if (hits := _compared_names(open(os.path.join(ROOT, path)).read(), names))}
+    assert not found, f"names compared (line, name): {found}"
+    assert _compared_names("if a == 'ring' or b in ('x', 'int8'):\n    pass", names) == [
+        (1, "ring"), (1, "int8")]  # the check itself sees them
