@@ -119,3 +119,31 @@ def test_generated_results_are_current():
     assert out.returncode == 0, out.stdout + out.stderr
     for page in ("README.md", "docs/results.md", "docs/performance.md"):
         assert "torch_ddp" in _text(page), f"{page} shows no results table"
+
+
+def _modules():
+    """Every module and subpackage of minddp/, as paths relative to minddp/ ('reducer.py',
+    'algorithms/', 'algorithms/ring.py'), __init__ files aside."""
+    found = []
+    for folder, dirs, files in os.walk(os.path.join(ROOT, "minddp")):
+        dirs[:] = [d for d in dirs if not d.startswith(("_", "."))]
+        rel = os.path.relpath(folder, os.path.join(ROOT, "minddp"))
+        prefix = "" if rel == "." else rel + "/"
+        found += [prefix + d + "/" for d in dirs]
+        found += [prefix + f for f in files if f.endswith(".py") and f != "__init__.py"]
+    return sorted(found)
+
+
+def test_the_layouts_name_every_module():
+    """README's layout names every top-level module and subpackage, docs/design.md every
+    module (subpackages' too), and neither names one that is gone."""
+    layout = re.search(r"## Layout\n+```\n(.*?)```", _text("README.md"), re.S).group(1)
+    listed = set(re.findall(r"^minddp/(\S+)", layout, re.M))
+    top = {m for m in _modules() if m.count("/") == 0 or (m.endswith("/") and m.count("/") == 1)}
+    assert top - listed == set(), f"README layout lacks {sorted(top - listed)}"
+    assert listed - top == set(), f"README layout names what is gone: {sorted(listed - top)}"
+    design = _text("docs/design.md")
+    unnamed = [m for m in _modules() if not m.endswith("/") and f"`{m}`" not in design and
+               f"`{m.split('/')[-1]}`" not in design]
+    assert not unnamed, f"docs/design.md never names {unnamed}"
+    assert len(_modules()) > 30  # the walk found the package

@@ -14,6 +14,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp
+from minddp import registry
 from minddp.algorithms import lanes
 from dist_harness import run_world
 from models import MODELS, batch
@@ -88,9 +89,9 @@ def test_deep_model_every_world_size(world_size):
     _assert_ranks_equal(run_world(_train_both, world_size, "deep"))
 
 
-# Our own algorithms (native is covered above); auto picks per bucket size, and
-# tiny buckets on 3 ranks give many sizes and the non-power-of-two paths.
-@pytest.mark.parametrize("algorithm", ["ring", "tree", "halving_doubling", "auto"])
+# Every registered algorithm but native (covered above); auto picks per bucket
+# size, and tiny buckets on 3 ranks give many sizes and the non-power-of-two paths.
+@pytest.mark.parametrize("algorithm", [n for n in registry.algorithm_names() if n != "native"])
 @pytest.mark.parametrize("world_size, kwargs", [
     (3, {"bucket_cap_mb": 0.002}),
     (2, {"find_unused_parameters": True, "gradient_as_bucket_view": True})],
