@@ -13,13 +13,13 @@
 set -euo pipefail
 VENV=${1:-.venv}
 PYTHON=${PYTHON:-python3}
+site_packages() { "$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"; }
 
 if "$PYTHON" -c "import torch" 2>/dev/null; then
     echo "make_venv: reusing the torch that $PYTHON imports (offline install)"
     "$PYTHON" -m venv --without-pip "$VENV" 2>/dev/null || "$PYTHON" -m venv "$VENV"
-    site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     "$PYTHON" -c "import site, sys; print('\n'.join(p for p in sys.path if p.endswith('-packages')))" \
-        > "$site/_minddp_parent.pth"
+        > "$(site_packages)/_minddp_parent.pth"
     "$VENV/bin/python" -m pip install --no-build-isolation --no-deps --no-index -e . 
 else
     echo "make_venv: installing torch==2.13.0+cpu and test dependencies"
@@ -30,4 +30,8 @@ else
         lightning==2.6.6 accelerate==1.15.0 transformers==5.24.0
     "$VENV/bin/python" -m pip install --no-build-isolation --no-deps -e .
 fi
-"$VENV/bin/python" -c "import minddp, torch; print('make_venv: minddp ready with torch', torch.__version__)"
+# The benchmarks and examples import their shared code (`from benchmarks.measure import ...`)
+# from this checkout, which setup.py does not install: the venv gets it on its path instead.
+pwd -P > "$(site_packages)/_minddp_checkout.pth"
+"$VENV/bin/python" -c "import benchmarks, examples, minddp, torch
+print('make_venv: minddp ready with torch', torch.__version__)"
