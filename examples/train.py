@@ -1,4 +1,4 @@
-"""The course's training workflow (SPEC "Workloads") on torch DDP or minddp.
+"""The course's training workflow on torch DDP or minddp.
 
     torchrun --standalone --nproc_per_node=2 examples/train.py --ddp minddp
     torchrun --standalone --nproc_per_node=2 examples/train.py --ddp torch
