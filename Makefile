@@ -1,5 +1,6 @@
 # make test   set up .venv (first time) and run the test suite (in TEST_WORKERS=3 pytest workers)
 # make bench  set up .venv (first time) and run the side-by-side benchmark
+# make lint   set up .venv (first time) and run ruff over the repository (pyproject.toml)
 # make docs   regenerate docs/results.md and the tables of README and docs/performance.md
 # make results  rerun the benchmarks behind docs/results.md (about 5 minutes on 2 cores)
 VENV   ?= .venv
@@ -7,7 +8,7 @@ PY     := $(VENV)/bin/python
 NPROC  ?= 2
 STAMP  := $(VENV)/.minddp-installed
 
-.PHONY: test bench setup clean gpu-check docs results
+.PHONY: test bench lint setup clean gpu-check docs results
 
 setup: $(STAMP)
 
@@ -21,6 +22,14 @@ $(STAMP): setup.py tools/make_venv.sh $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*
 TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -m pytest tests $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS)")
+
+# ruff comes with the venv (tools/make_venv.sh) where pip could fetch it; without it lint
+# fails, saying so, rather than passing unchecked.
+lint: $(STAMP)
+	@$(PY) -m ruff --version >/dev/null 2>&1 || { echo "make lint: ruff is not installed in" \
+	    "$(VENV) (tools/make_venv.sh skips it where pip is offline): $(PY) -m pip install ruff"; \
+	    exit 1; }
+	$(PY) -m ruff check .
 
 RUN := $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC)
 bench: $(STAMP)

@@ -60,9 +60,10 @@ setup(
     name="minddp",
     version="0.1.0",
     description="PyTorch DistributedDataParallel internals, rebuilt to read and to change",
-    # benchmarks and examples come along so that scripts and tests import their shared
-    # code as packages (`from benchmarks.measure import ...`) wherever minddp is installed.
-    packages=find_packages(include=["minddp", "minddp.*", "benchmarks", "examples"]),
+    # minddp only: top-level `benchmarks` and `examples` in site-packages would collide with
+    # other projects'. They run from the checkout, which tools/make_venv.sh puts on the venv's
+    # path and pytest.ini on the tests' (tests/test_packaging.py holds this list to minddp).
+    packages=find_packages(include=["minddp", "minddp.*"]),
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     python_requires=">=3.9",

@@ -130,7 +130,8 @@ def main():
                   {**os.environ, "GLIBC_TUNABLES": KEEP_HEAP})
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("kernels.py: --device cuda: torch has no CUDA device here")
-    if not compression.HAVE_EXTENSION or compression.kernels_for(args.device) is not torch.ops.minddp:
+    if (not compression.HAVE_EXTENSION
+            or compression.kernels_for(args.device) is not torch.ops.minddp):
         sys.exit(f"kernels.py: minddp._C has no {args.device} kernels; build it with `make setup`")
     x = torch.randn(args.mib << 18, generator=torch.Generator().manual_seed(0)).to(args.device)
     table = variants(x, compression.DTYPES[args.dtype])

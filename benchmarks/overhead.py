@@ -39,7 +39,6 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp

@@ -1,7 +1,7 @@
 """The models and data the benchmarks and the training script share.
 
 - `SimpleTransformer` and `DummyTextDataset`: the course's language model and
-  its synthetic data (SPEC "Workloads"): about 7.3M parameters, batch 8, seq 128.
+  its synthetic data: about 7.3M parameters, batch 8, seq 128.
 - `MLP`: 8 x Linear(1024), little compute per byte of gradient, so it is the
   communication-heavy case.
 - `ConvNet`: a small CNN with BatchNorm (buffers to broadcast).

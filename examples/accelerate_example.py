@@ -1,7 +1,7 @@
 """Accelerate on minddp: one line before the model is prepared.
 
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_example.py
-    torchrun --nproc_per_node=2 examples/accelerate_example.py   # the same, without accelerate's CLI
+    torchrun --nproc_per_node=2 examples/accelerate_example.py  # the same, without accelerate's CLI
 
 (`--multi_gpu` picks Accelerate's torchrun launcher; on a machine without GPUs the two
 processes train on the CPU over gloo. `--cpu` alone would start a single process.)

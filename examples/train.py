@@ -1,4 +1,4 @@
-"""The course's training workflow (SPEC "Workloads") on torch DDP or minddp.
+"""The course's training workflow on torch DDP or minddp.
 
     torchrun --standalone --nproc_per_node=2 examples/train.py --ddp minddp
     torchrun --standalone --nproc_per_node=2 examples/train.py --ddp torch
@@ -260,9 +260,10 @@ def run(args, rank, world_size, device):
                 shutil.copyfile(latest, best_path)
             tu.write_history(os.path.join(args.out, "history.json"), history)
             tu.plot_history(history, os.path.join(args.out, "train.png"))
-            print(f"epoch {epoch + 1}/{args.epochs}: train {history['epochs'][-1]['train_loss']:.4f}"
+            last = history["epochs"][-1]
+            print(f"epoch {epoch + 1}/{args.epochs}: train {last['train_loss']:.4f}"
                   f"  val {val_loss:.4f}{' (best)' if is_best else ''}  {seconds:.1f}s"
-                  f"  ({history['epochs'][-1]['samples_per_s']:.1f} samples/s)", flush=True)
+                  f"  ({last['samples_per_s']:.1f} samples/s)", flush=True)
     dist.barrier()  # rank 0's files are written before any rank moves on
     return history
 

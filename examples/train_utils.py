@@ -9,8 +9,8 @@ import os
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
 
 # The run settings a checkpoint must share with the run that resumes it: any
 # of them changes the trajectory (data order, schedule, model shape).

@@ -162,7 +162,7 @@ def run_world(fn, world_size, *args, timeout=60, pg_timeout=None, expect_dead=()
                         rank, status, value = results.get(timeout=2)
                     except queue.Empty:
                         raise WorldFailed(f"rank {dead[0]} died with exit code "
-                                          f"{procs[dead[0]].exitcode} and no traceback")
+                                          f"{procs[dead[0]].exitcode} and no traceback") from None
                 else:
                     continue
             if rank in expect_dead:

@@ -199,7 +199,7 @@ class StrictGroup(dist.ProcessGroup):
             work.wait()
             if check is not None:
                 self._check_match(*check)
-        for op, peer, tensor, tag, n in messages:
+        for op, peer, tensor, _tag, n in messages:
             if op == "recv":  # only once its header matched: gloo aborts on a size mismatch
                 data.append(self._gloo.recv([tensor], peer, 2 * n + 1))
         for work in data:

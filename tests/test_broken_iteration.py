@@ -50,7 +50,9 @@ def _skip_a_batch(rank, world_size, where, compression):
     assert len(ddp.reducer.buckets) > 4
     if where == "model" and rank == 0:
         # layers[6] lies mid-network: the buckets of the later layers go first
-        def fail_once(grad, fired=[]):
+        fired = []
+
+        def fail_once(grad):
             if not fired:
                 fired.append(True)
                 raise RuntimeError("injected failure in the model's backward")

@@ -12,6 +12,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The scripts import `benchmarks` and `examples` from the checkout, which setup.py does not
+# install: as README says, they run with it on PYTHONPATH (make's .venv needs none).
+SCRIPT_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
                                for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 PATH_PREFIXES = ("minddp/", "benchmarks/", "examples/", "docs/", "tests/", "tools/", "csrc/")
@@ -90,8 +94,8 @@ def test_command_exists(page, words):
 def _help(script):
     """(exit status, stdout, stderr) of `python script --help`: run once per script, not
     once per command that uses it (each run imports torch, seconds of CPU)."""
-    done = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=SCRIPT_ENV,
+                          capture_output=True, text=True, timeout=120)
     return done.returncode, done.stdout, done.stderr
 
 
@@ -115,7 +119,7 @@ def test_generated_results_are_current():
     """docs/results.md, README's table and docs/performance.md's tables match the committed
     result files (make docs)."""
     out = subprocess.run([sys.executable, "benchmarks/report.py", "--check"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+                         env=SCRIPT_ENV, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     for page in ("README.md", "docs/results.md", "docs/performance.md"):
         assert "torch_ddp" in _text(page), f"{page} shows no results table"

@@ -51,7 +51,7 @@ def _run_two_ranks(*args):
                 p.wait()
             told = "\n".join(f"rank {r}: status {code}\n{e[-1000:]}"
                              for r, (code, e) in enumerate(results))
-            raise AssertionError(f"rank {rank} did not exit within 90 s. {told}")
+            raise AssertionError(f"rank {rank} did not exit within 90 s. {told}") from None
         results.append((proc.returncode, err))
     return results
 

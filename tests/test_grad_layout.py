@@ -47,7 +47,8 @@ def _run(ddp, rank, steps=3, hook=None):
     for step in range(steps):
         opt.zero_grad()
         ddp(_batch(rank, step)).square().mean().backward()
-        grads.append({n: (p.grad.stride(), p.grad.clone()) for n, p in ddp.module.named_parameters()})
+        grads.append({n: (p.grad.stride(), p.grad.clone())
+                      for n, p in ddp.module.named_parameters()})
         opt.step()
     return grads
 
@@ -114,7 +115,7 @@ def test_views_follow_the_gradient_layout_contract():
     by_param = {id(p): v for p, v in zip(bucket.params, views)}
     assert by_param[id(conv.weight)].stride() == (27, 1, 9, 3)
     assert by_param[id(odd)].stride() == (3, 1)  # row-major: not dense
-    for p, o, v in zip(bucket.params, bucket.offsets, views):
+    for o, v in zip(bucket.offsets, views):
         assert v.data_ptr() == bucket.buffer[o:].data_ptr()
     result = torch.arange(bucket.buffer.numel(), dtype=torch.float32)
     for p, o, v in zip(bucket.params, bucket.offsets, bucket.views_of(result)):

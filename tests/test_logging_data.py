@@ -119,7 +119,7 @@ def _graph(rank, world_size):
         for label, use_b in (("changes", lambda step: step % 2 == 0),
                              ("never", lambda step: False)):
             ddp = wrap(Sometimes(use_b), find_unused_parameters=True)
-            for step in range(4):
+            for _ in range(4):
                 ddp(torch.ones(2, 4)).sum().backward()
             data = ddp._get_ddp_logging_data()
             out[name, label] = (data.get("can_set_static_graph"), data.get("iteration"))
@@ -160,7 +160,7 @@ def my_hook(state, bucket):
 
 def _timings(rank, world_size):
     ddp = minddp.DDP(Slow())
-    for step in range(3):
+    for _ in range(3):
         ddp(torch.ones(2, 8)).sum().backward()
     hooked = minddp.DDP(nn.Linear(2, 2))
     hooked.register_comm_hook(None, my_hook)

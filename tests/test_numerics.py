@@ -35,7 +35,8 @@ def _poisoned(rank, world_size, algorithm):
                 x[5] = special
             ddp.zero_grad()
             ddp(x, y).backward()
-            grads[compression, str(special)] = (ddp.module.a.grad.clone(), ddp.module.b.grad.clone())
+            grads[compression, str(special)] = (ddp.module.a.grad.clone(),
+                                                ddp.module.b.grad.clone())
     return grads
 
 

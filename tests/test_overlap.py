@@ -169,7 +169,7 @@ def test_powersgd_keeps_its_error_feedback_across_the_plan():
 
 def _timeline_and_errors(rank, world_size, path):
     ddp = minddp.DDP(_model(), bucket_cap_mb="auto", timeline=path)
-    for step in range(overlap.PLAN_AT):
+    for _ in range(overlap.PLAN_AT):
         ddp(torch.randn(4, 128)).sum().backward()
     plans = [e for e in ddp.timeline.events if e["name"] == "bucket plan"]
     messages = []

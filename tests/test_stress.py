@@ -42,7 +42,7 @@ def _stress(rank, world_size, algorithm):
                       algorithm=algorithm)
     opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (ref, ours)]
     g = torch.Generator().manual_seed(rank)
-    for step in range(STEPS):
+    for _ in range(STEPS):
         micro = schedule.choice([1, 1, 1, 2, 3])
         batches = [(torch.randn(4, 16, generator=g),
                     sorted(mine.sample(range(4), mine.randint(1, 4)))) for _ in range(micro)]

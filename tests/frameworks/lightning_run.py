@@ -20,7 +20,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning.pytorch as L
 from lightning.pytorch.strategies import DDPStrategy
 
-import minddp
 from minddp.lightning import MinddpStrategy
 
 OUT = sys.argv[1]

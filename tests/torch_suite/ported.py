@@ -304,7 +304,8 @@ class PortedDDPTests:
         hook then makes one subgroup per node sized by its GPU count.)"""
         world = dist.group.WORLD
         self._hook_parity(post_local.PostLocalSGDState(
-            process_group=None, subgroup=world, start_localSGD_iter=3), post_local.post_localSGD_hook)
+            process_group=None, subgroup=world, start_localSGD_iter=3),
+            post_local.post_localSGD_hook)
         self._hook_parity(post_local.PostLocalSGDState(
             process_group=None, subgroup=world, start_localSGD_iter=3,
             post_local_gradient_allreduce=False), post_local.post_localSGD_hook, checked=3)

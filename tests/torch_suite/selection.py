@@ -69,7 +69,8 @@ EXCLUDED = {
     "test_ddp_logging_data_gpu": ("GPU placement in the logging data (device_ids, output_device); "
                                   "its CPU twin test_ddp_logging_data_cpu is selected"),
     "test_ddp_sync_module_states": ("tests torch.distributed.utils._sync_module_states, fed "
-                                    "DDP's internal broadcast_bucket_size and parameters_to_ignore"),
+                                    "DDP's internal broadcast_bucket_size and "
+                                    "parameters_to_ignore"),
     "test_ddp_profiling_autograd_profiler": _PROFILER,
     "test_ddp_profiling_torch_profiler": _PROFILER,
     "test_ddp_profiling_execution_trace": _PROFILER,
@@ -82,7 +83,8 @@ EXCLUDED = {
         "tests torch's _verify_param_shape_across_processes with " + _LOGGER),
     "test_verify_model_across_rank_without_logger": (
         "tests torch's _verify_param_shape_across_processes, not DDP"),
-    "test_ddp_build_debug_param_to_name_mapping": "torch-private DDP._build_debug_param_to_name_mapping",
+    "test_ddp_build_debug_param_to_name_mapping": (
+        "torch-private DDP._build_debug_param_to_name_mapping"),
     "test_ddp_build_debug_param_to_name_mapping_requires_grad": (
         "torch-private DDP._build_debug_param_to_name_mapping"),
     "test_detect_ddp_is_actually_static": "torch's reducer internals (reducer._ddp_graph_static())",

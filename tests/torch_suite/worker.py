@@ -45,7 +45,7 @@ os.environ.update(BACKEND="gloo", WORLD_SIZE=str(WORLD_SIZE), CUDA_VISIBLE_DEVIC
 os.environ.setdefault("TORCH_SHOW_CPP_STACKTRACES", "1")
 
 try:
-    import expecttest  # noqa: F401 - torch's common_utils subclasses its TestCase
+    import expecttest  # torch's common_utils subclasses its TestCase
 except ImportError:
     # A test-only dependency of torch's test helpers that the venv may lack; no
     # DDP test uses its one feature (assertExpectedInline), so a bare
@@ -197,7 +197,8 @@ class _Suite(upstream.TestDistBackend, PortedDDPTests, upstream.DistributedTest.
         if report:
             raise AssertionError(report)
         if -signal.SIGKILL in codes:
-            raise AssertionError(f"ranks were killed with no error of their own: exit codes {codes}")
+            raise AssertionError(f"ranks were killed with no error of their own: "
+                                 f"exit codes {codes}")
         if codes[0] in _SKIP_CODES:
             raise unittest.SkipTest(_SKIP_CODES[codes[0]])
 
