@@ -44,6 +44,7 @@ import torch
 
 from minddp import readiness
 from minddp.buckets import STAMP
+from minddp.errors import first_line
 from minddp.grad_bucket import GradBucket
 from minddp.graph import reached_parameters
 from minddp.overlap import PLAN_AT, Recorder
@@ -389,7 +390,7 @@ class Reducer:
         except Exception as e:
             self._break(f"minddp (rank {self.rank}): the previous backward pass failed, so "
                         f"gradients are not synchronised; this wrapper cannot go on. Cause: "
-                        f"{str(e).splitlines()[0]}")
+                        f"{first_line(e)}")
             raise
         self.iterations += 1
         if self.timeline is not None:
@@ -523,7 +524,7 @@ class Reducer:
         except Exception as e:
             who = (self.progress.describe(self.iterations) if self.progress is not None
                    else "a peer may have died or stalled")
-            cause = str(e).split("\n")[0].replace(
+            cause = first_line(e).replace(
                 "Got the following error when running the callback: ", "")
             raise RuntimeError(
                 f"minddp (rank {self.rank}): all-reduce of {what} with {via or self.reduction.name} "
