@@ -36,7 +36,6 @@ once), and the parameters the first iteration did not use are ready at once.
 """
 import enum
 import math
-import threading
 import warnings
 import weakref
 
@@ -50,8 +49,6 @@ from minddp.graph import reached_parameters
 from minddp.overlap import PLAN_AT, Recorder
 from minddp.timeline import now_us, profiled
 
-# How often a rank waiting for a bucket looks for a peer's note that it gave up.
-POLL_SECONDS = 0.5
 BACKEND = "the backend's all-reduce"  # what the step check and the used map run on
 
 
@@ -511,16 +508,10 @@ class Reducer:
 
     def _wait(self, future, what, via=None):
         """future.wait(), bounded by the group's timeout, and sooner when a peer has
-        left a note that it gave up this iteration."""
+        left a note that it gave up this iteration (health.PeerProgress.wait); a
+        failure becomes an error naming `what`, `via` and the peer to blame."""
         try:
-            if self.progress is not None and not future.done():
-                arrived = threading.Event()
-                future.add_done_callback(lambda _: arrived.set())
-                while not arrived.wait(POLL_SECONDS):
-                    note = self.progress.abandoned()
-                    if note is not None:
-                        raise RuntimeError(f"{note}; nothing it did not send will arrive")
-            return future.wait()
+            return future.wait() if self.progress is None else self.progress.wait(future)
         except Exception as e:
             who = (self.progress.describe(self.iterations) if self.progress is not None
                    else "a peer may have died or stalled")
