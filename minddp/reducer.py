@@ -33,6 +33,24 @@ parameter's gradient arrives, and everything is reduced at the end of
 backward; later a parameter is ready once its gradient has arrived that many
 times (reentrant checkpointing runs backward through a segment more than
 once), and the parameters the first iteration did not use are ready at once.
+
+Ordering invariants. Named here once and asserted where they must hold
+(errors.invariant, as torch's reducer.cpp asserts its own with
+TORCH_INTERNAL_ASSERT): a failure is a bug in minddp, and its message says
+what would have gone wrong. Per bucket or per backward, never per gradient.
+
+    layout        every parameter sits in exactly one bucket, and bucket k is
+                  buckets[k] (set at each layout)
+    fill once     a bucket becomes full once per backward, never after it has
+                  launched (torch: bucket_index >= next_bucket_)
+    in order      a bucket launches once, in index order, only after its
+                  gradients were copied in
+    counts        no bucket's count of pending parameters falls below zero
+    all launched  finalize runs once every bucket was filled and launched
+                  (torch: next_bucket_ == buckets_.size() in its finalize
+                  callback)
+    waited once   finalize waits for each launched bucket's Future once
+    stamp back    a stamp bucket 0 carried comes back with its sum (step_check.py)
 """
 import enum
 import warnings
@@ -41,7 +59,7 @@ import weakref
 import torch
 
 from minddp import readiness
-from minddp.errors import first_line
+from minddp.errors import first_line, invariant
 from minddp.grad_bucket import GradBucket
 from minddp.graph import reached_parameters
 from minddp.overlap import PLAN_AT, Recorder
@@ -212,7 +230,8 @@ class Reducer:
         # static_graph: ready after as many gradients as the first iteration saw
         self.readiness.reset(self._expected)
         self._futures = [None] * len(self.buckets)
-        self._next = 0
+        self._filled = [False] * len(self.buckets)  # gradients copied in (_fill)
+        self._next = 0  # the next bucket to launch: every one before it has
         self._used_future = self._used_reduced = None
         self.step_check.stamp(self.forwards, self.buckets, self.reduction)
         self._replica_future = None  # launched at finalize (replicas.py)
@@ -245,8 +264,13 @@ class Reducer:
                                         else self._marked_twice(index)))
 
     def _bucket_full(self, b):
+        invariant(b >= self._next and not self._filled[b],
+                  "fill once: a bucket became full twice in one backward, or after it "
+                  "launched; copying its gradients in again would overwrite a buffer its "
+                  "reduction is reading")
         bucket = self.buckets[b]
         self._fill(bucket)
+        self._filled[b] = True
         if self.timeline is not None:
             self.timeline.instant(f"ready b{b}", bytes=bucket.nbytes)
         self._launch_ready()
@@ -338,7 +362,17 @@ class Reducer:
     def _launch_ready(self):
         """Launch every full bucket whose predecessors have all been launched; once
         the last one is, reduce the used map and queue finalize."""
-        while self._next < len(self.buckets) and self.readiness.pending(self._next) == 0:
+        while self._next < len(self.buckets):
+            pending = self.readiness.pending(self._next)
+            if pending:
+                invariant(pending > 0,
+                          "counts: a bucket's count of pending parameters fell below zero (a "
+                          "gradient counted in a bucket it does not sit in); the bucket would "
+                          "never launch, and every rank would wait for it")
+                break
+            invariant(self._filled[self._next],
+                      "in order: a bucket with no parameter pending was about to launch before "
+                      "its gradients were copied in; it would send the previous iteration's")
             self._futures[self._next] = self._launch(self._next)
             self._next += 1
         if self._next < len(self.buckets):
@@ -394,6 +428,9 @@ class Reducer:
             self.timeline.span("finalize", start, now_us())
 
     def _write_back(self):
+        invariant(self._next == len(self.buckets) and all(self._filled),
+                  "all launched: finalize ran before every bucket was filled and launched; "
+                  "it would wait for a bucket never sent, or write back stale gradients")
         used = self._used_lookup()
         for b, bucket in enumerate(self.buckets):
             # Each bucket is written as soon as it is reduced, as torch's
@@ -437,6 +474,9 @@ class Reducer:
 
     def _collect(self, b):
         """Wait for bucket b's reduction; the flat averaged result."""
+        invariant(self._futures[b] is not None,
+                  "waited once: finalize found no Future for a bucket (never launched, or "
+                  "already collected); its .grad would get no sum, or another iteration's")
         bucket = self.buckets[b]
         what = f"bucket {b} ({len(bucket.params)} parameters, {bucket.nbytes} bytes)"
         result = self._wait(self._futures[b], what)
@@ -650,7 +690,13 @@ class Reducer:
                     param.grad = view
 
     def _set_layout(self, buckets):
-        self.buckets, self._where = buckets, _places(buckets)
+        places = _places(buckets)
+        invariant(set(places) == set(range(len(self.params))) and
+                  sum(len(b.indices) for b in buckets) == len(self.params) and
+                  all(b.index == k for k, b in enumerate(buckets)),
+                  "layout: a parameter sits in no bucket or in two, or bucket k is not "
+                  "buckets[k]; a bucket would never become full, or count a gradient twice")
+        self.buckets, self._where = buckets, places
         self.readiness.set_layout([self._where[i][0].index for i in range(len(self.params))],
                                   len(buckets))
 

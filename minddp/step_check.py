@@ -28,6 +28,7 @@ import math
 import torch
 
 from minddp.buckets import STAMP
+from minddp.errors import invariant
 
 
 class StepCheck:
@@ -39,6 +40,7 @@ class StepCheck:
         self.rank, self.world_size = rank, world_size
         self.future = None  # this backward's own collective, where bucket 0 cannot carry it
         self.sums = None    # the sums bucket 0 brought back
+        self._carried = False  # whether this backward's stamp rides in bucket 0
 
     def carried(self, buckets, reduction):
         """Whether bucket 0 carries the stamp (its slots, summed exactly)."""
@@ -48,6 +50,7 @@ class StepCheck:
         """Put the stamp of the backward of synced forward `n` where it will be summed
         (on every rank, at the start of its backward)."""
         self.sums = self.future = None
+        self._carried = False
         if self.sum_step is None:
             return
         if self.carried(buckets, reduction):
@@ -55,6 +58,7 @@ class StepCheck:
             m = n % self.modulus(carrier.dtype)
             for slot, value in zip(range(-STAMP, 0), (1, m, m * m)):
                 carrier[slot].fill_(value)  # no host-to-device copy to wait for
+            self._carried = True
             return
         self.future = self.sum_step(torch.tensor([1, n, n * n], dtype=torch.int64))
 
@@ -91,6 +95,10 @@ class StepCheck:
             sums = [round(v) for v in self.sums]
             expected = n % self.modulus(buckets[0].carrier.dtype)
         else:
+            invariant(not self._carried,
+                      "stamp back: bucket 0 carried the step check's stamp but its reduction "
+                      "brought no sums back; the check would pass unchecked, and a rank out "
+                      "of step would write another iteration's gradients")
             return
         ranks, total, squares = sums
         if total != ranks * expected or squares != ranks * expected * expected:

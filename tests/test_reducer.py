@@ -165,3 +165,31 @@ def test_step_check_passes_equal_stamps_and_names_a_rank_out_of_step():
     check.take(bucket, bucket.carrier * 2 + behind.carrier)
     with pytest.raises(RuntimeError, match=f"rank 0.*out of step.*forward #{n}"):
         check.verify(n, [bucket], wait=None)
+
+
+def test_step_check_asserts_a_carried_stamp_comes_back():
+    check, bucket = _stamped(7, 2)
+    with pytest.raises(RuntimeError, match="minddp internal error.*stamp back"):
+        check.verify(7, [bucket], wait=None)  # bucket 0's sum never handed to take()
+
+
+def _broken_order(rank, world_size):
+    ddp = minddp.DDP(DeepNet(), bucket_cap_mb=0.002)
+    ddp(*batch("deep", rank, 0)).sum().backward()
+    errors = []
+    for call in (lambda: ddp.reducer._bucket_full(0),  # full again after its launch
+                 lambda: ddp.reducer._collect(0),      # its Future was collected already
+                 lambda: ddp.reducer.use_buckets(ddp.reducer.buckets[1:])):  # one left out
+        try:
+            call()
+            errors.append("no error")
+        except RuntimeError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_reducer_asserts_its_ordering_invariants():
+    refill, recollect, relayout = run_world(_broken_order, 1)[0]
+    assert refill.startswith("minddp internal error") and "fill once" in refill, refill
+    assert recollect.startswith("minddp internal error") and "waited once" in recollect
+    assert relayout.startswith("minddp internal error") and "layout" in relayout, relayout
