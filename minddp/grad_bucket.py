@@ -21,7 +21,7 @@ class GradBucket:
 
     def _to_sum(self):
         """minddp's own reductions sum this: the buffer, with the step check's
-        slots behind it where it has them (buckets.build, reducer.py)."""
+        slots behind it where it has them (buckets.build, step_check.py)."""
         return self._bucket.carrier if self._bucket.carrier is not None else self._bucket.buffer
 
     def gradients(self):

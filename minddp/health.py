@@ -9,13 +9,19 @@ got stuck before backward.
 
 A rank that finds its own last backward unfinished (an exception inside it)
 also leaves a note there: its peers, waiting for buckets it will never send,
-read it and fail at once instead of at the timeout.
+read it and fail at once instead of at the timeout (`wait`).
 """
+import threading
+
 import torch.distributed as dist
+
+# How often a rank waiting for a bucket looks for a peer's note that it gave up.
+POLL_SECONDS = 0.5
 
 
 class PeerProgress:
-    """Publish this rank's iteration; name the peers that are behind it."""
+    """Publish this rank's iteration; name the peers that are behind it; wait for a
+    bucket, but not for one a peer has given up on."""
 
     def __init__(self, group, name):
         """`name`: the same on every rank for one wrapper, different for others."""
@@ -52,6 +58,18 @@ class PeerProgress:
         except Exception:  # noqa: BLE001 - the store's host is gone
             return None
         return None
+
+    def wait(self, future):
+        """future.wait(), but raise sooner when a peer has left a note that it gave
+        up its iteration (`abandon`): what it did not send will never arrive."""
+        if not future.done():
+            arrived = threading.Event()
+            future.add_done_callback(lambda _: arrived.set())
+            while not arrived.wait(POLL_SECONDS):
+                note = self.abandoned()
+                if note is not None:
+                    raise RuntimeError(f"{note}; nothing it did not send will arrive")
+        return future.wait()
 
     def behind(self, iteration):
         """Peers whose last published iteration is earlier than `iteration`, as

@@ -33,24 +33,39 @@ parameter's gradient arrives, and everything is reduced at the end of
 backward; later a parameter is ready once its gradient has arrived that many
 times (reentrant checkpointing runs backward through a segment more than
 once), and the parameters the first iteration did not use are ready at once.
+
+Ordering invariants. Named here once and asserted where they must hold
+(errors.invariant, as torch's reducer.cpp asserts its own with
+TORCH_INTERNAL_ASSERT): a failure is a bug in minddp, and its message says
+what would have gone wrong. Per bucket or per backward, never per gradient.
+
+    layout        every parameter sits in exactly one bucket, and bucket k is
+                  buckets[k] (set at each layout)
+    fill once     a bucket becomes full once per backward, never after it has
+                  launched (torch: bucket_index >= next_bucket_)
+    in order      a bucket launches once, in index order, only after its
+                  gradients were copied in
+    counts        no bucket's count of pending parameters falls below zero
+    all launched  finalize runs once every bucket was filled and launched
+                  (torch: next_bucket_ == buckets_.size() in its finalize
+                  callback)
+    waited once   finalize waits for each launched bucket's Future once
+    stamp back    a stamp bucket 0 carried comes back with its sum (step_check.py)
 """
 import enum
-import math
-import threading
 import warnings
 import weakref
 
 import torch
 
 from minddp import readiness
-from minddp.buckets import STAMP
+from minddp.errors import first_line, invariant
 from minddp.grad_bucket import GradBucket
 from minddp.graph import reached_parameters
 from minddp.overlap import PLAN_AT, Recorder
+from minddp.step_check import StepCheck
 from minddp.timeline import now_us, profiled
 
-# How often a rank waiting for a bucket looks for a peer's note that it gave up.
-POLL_SECONDS = 0.5
 BACKEND = "the backend's all-reduce"  # what the step check and the used map run on
 
 
@@ -67,7 +82,7 @@ class Reducer:
     `reduction` is the seam (reduction.py) every bucket goes through.
     `count_used(tensor) -> Future` sums the used-parameter map over the ranks
     (find_unused_parameters, static_graph's first iteration); `sum_step`, the
-    same for the step check (below).
+    same for the step check (step_check.py; None: no check).
     """
 
     logger = None        # logging_data.DDPLogger (set by the wrapper): events and errors
@@ -85,7 +100,8 @@ class Reducer:
         self.find_unused = find_unused_parameters and not static_graph
         self.static_graph = static_graph
         self.as_view = gradient_as_bucket_view
-        self.count_used, self.sum_step = count_used, sum_step
+        self.count_used = count_used
+        self.step_check = StepCheck(sum_step, rank, world_size)
         self.replicas = replicas  # replicas.ReplicaCheck, or None: check_replicas is off
         self._replica_future = None
         self.progress = progress  # health.PeerProgress: names the peer when a bucket fails
@@ -214,9 +230,10 @@ class Reducer:
         # static_graph: ready after as many gradients as the first iteration saw
         self.readiness.reset(self._expected)
         self._futures = [None] * len(self.buckets)
-        self._next = 0
-        self._used_future = self._used_reduced = self._step_sums = None
-        self._step_future = self._check_step(self.forwards)
+        self._filled = [False] * len(self.buckets)  # gradients copied in (_fill)
+        self._next = 0  # the next bucket to launch: every one before it has
+        self._used_future = self._used_reduced = None
+        self.step_check.stamp(self.forwards, self.buckets, self.reduction)
         self._replica_future = None  # launched at finalize (replicas.py)
         self._measuring = self.recorder is not None and self.recorder.measuring(self.forwards)
         if self._measuring:
@@ -247,8 +264,13 @@ class Reducer:
                                         else self._marked_twice(index)))
 
     def _bucket_full(self, b):
+        invariant(b >= self._next and not self._filled[b],
+                  "fill once: a bucket became full twice in one backward, or after it "
+                  "launched; copying its gradients in again would overwrite a buffer its "
+                  "reduction is reading")
         bucket = self.buckets[b]
         self._fill(bucket)
+        self._filled[b] = True
         if self.timeline is not None:
             self.timeline.instant(f"ready b{b}", bytes=bucket.nbytes)
         self._launch_ready()
@@ -340,7 +362,17 @@ class Reducer:
     def _launch_ready(self):
         """Launch every full bucket whose predecessors have all been launched; once
         the last one is, reduce the used map and queue finalize."""
-        while self._next < len(self.buckets) and self.readiness.pending(self._next) == 0:
+        while self._next < len(self.buckets):
+            pending = self.readiness.pending(self._next)
+            if pending:
+                invariant(pending > 0,
+                          "counts: a bucket's count of pending parameters fell below zero (a "
+                          "gradient counted in a bucket it does not sit in); the bucket would "
+                          "never launch, and every rank would wait for it")
+                break
+            invariant(self._filled[self._next],
+                      "in order: a bucket with no parameter pending was about to launch before "
+                      "its gradients were copied in; it would send the previous iteration's")
             self._futures[self._next] = self._launch(self._next)
             self._next += 1
         if self._next < len(self.buckets):
@@ -389,20 +421,23 @@ class Reducer:
         except Exception as e:
             self._break(f"minddp (rank {self.rank}): the previous backward pass failed, so "
                         f"gradients are not synchronised; this wrapper cannot go on. Cause: "
-                        f"{str(e).splitlines()[0]}")
+                        f"{first_line(e)}")
             raise
         self.iterations += 1
         if self.timeline is not None:
             self.timeline.span("finalize", start, now_us())
 
     def _write_back(self):
+        invariant(self._next == len(self.buckets) and all(self._filled),
+                  "all launched: finalize ran before every bucket was filled and launched; "
+                  "it would wait for a bucket never sent, or write back stale gradients")
         used = self._used_lookup()
         for b, bucket in enumerate(self.buckets):
             # Each bucket is written as soon as it is reduced, as torch's
             # finalize does: writing one overlaps the next one's communication.
             result = self._collect(b)
-            if b == 0:
-                self._step_agreed()  # before any .grad is written
+            if b == 0:  # before any .grad is written
+                self.step_check.verify(self.forwards, self.buckets, self._wait_step_check)
                 self._launch_replica_check()
             if bucket.sparse:  # .grad is the bucket: the sum goes into it, as in torch
                 if result is not bucket.buffer:
@@ -439,6 +474,9 @@ class Reducer:
 
     def _collect(self, b):
         """Wait for bucket b's reduction; the flat averaged result."""
+        invariant(self._futures[b] is not None,
+                  "waited once: finalize found no Future for a bucket (never launched, or "
+                  "already collected); its .grad would get no sum, or another iteration's")
         bucket = self.buckets[b]
         what = f"bucket {b} ({len(bucket.params)} parameters, {bucket.nbytes} bytes)"
         result = self._wait(self._futures[b], what)
@@ -455,11 +493,8 @@ class Reducer:
                     f"return a Future whose value is the reduced gradient, of shape "
                     f"{tuple(shape)}.")
             return result
-        if (b == 0 and bucket.carrier is not None and isinstance(result, torch.Tensor) and
-                result.numel() == bucket.carrier.numel()):
-            result = result.reshape(-1)  # the step check rode along: its sums are the tail
-            self._step_sums = result[-STAMP:].tolist()
-            result = result[:-STAMP]
+        if b == 0:  # the step check may have ridden along: its sums are the tail
+            result = self.step_check.take(bucket, result)
         if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
             got = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
                    else type(result).__name__)
@@ -510,81 +545,21 @@ class Reducer:
 
     def _wait(self, future, what, via=None):
         """future.wait(), bounded by the group's timeout, and sooner when a peer has
-        left a note that it gave up this iteration."""
+        left a note that it gave up this iteration (health.PeerProgress.wait); a
+        failure becomes an error naming `what`, `via` and the peer to blame."""
         try:
-            if self.progress is not None and not future.done():
-                arrived = threading.Event()
-                future.add_done_callback(lambda _: arrived.set())
-                while not arrived.wait(POLL_SECONDS):
-                    note = self.progress.abandoned()
-                    if note is not None:
-                        raise RuntimeError(f"{note}; nothing it did not send will arrive")
-            return future.wait()
+            return future.wait() if self.progress is None else self.progress.wait(future)
         except Exception as e:
             who = (self.progress.describe(self.iterations) if self.progress is not None
                    else "a peer may have died or stalled")
-            cause = str(e).split("\n")[0].replace(
+            cause = first_line(e).replace(
                 "Got the following error when running the callback: ", "")
             raise RuntimeError(
                 f"minddp (rank {self.rank}): all-reduce of {what} with {via or self.reduction.name} "
                 f"failed in iteration {self.iterations}: {who}. Cause: {cause}") from e
 
-    # -- the step check ---------------------------------------------------------
-    # Every backward sums (1, n, n^2) over the ranks, n being the number of
-    # synced forwards so far, and finalize writes no .grad unless every rank had
-    # the same n (then the sums are k, kn and kn^2). Buckets pair by launch order
-    # alone, so a rank that lost a backward before it reached this wrapper (an
-    # exception in the loss's own backward, caught and skipped) would otherwise
-    # pair its next iteration with its peers' current one: wrong gradients,
-    # silently. The stamp rides in slots behind bucket 0's buffer where
-    # minddp's own exact reduction sums it (n taken modulo a bound under which
-    # the float sums are exact); elsewhere (a comm hook, compression, half
-    # precision) it takes a small all-reduce of its own, a collective more per
-    # backward, which the carried stamp saves. A rank that has joined
-    # (join.py) adds zeros.
-    def _check_step(self, n):
-        """Put this backward's stamp where it will be summed; None, or the Future
-        of a collective of its own where bucket 0 cannot carry it."""
-        if self.sum_step is None:
-            return None
-        if self._carried():
-            carrier = self.buckets[0].carrier
-            m = n % self._stamp_modulus(carrier.dtype)
-            for slot, value in zip(range(-STAMP, 0), (1, m, m * m)):
-                carrier[slot].fill_(value)  # no host-to-device copy to wait for
-            return None
-        return self.sum_step(torch.tensor([1, n, n * n], dtype=torch.int64))
-
-    def _carried(self):
-        """Whether bucket 0 carries the stamp (its slots, summed exactly)."""
-        return self.buckets[0].carrier is not None and self.reduction.carries_stamp
-
-    def _stamp_modulus(self, dtype):
-        """Stamps (1, m, m^2) with m below this sum exactly in `dtype` over every rank."""
-        exact = {torch.float32: 1 << 24, torch.float64: 1 << 53}[dtype]  # integers below: exact
-        return max(2, math.isqrt(exact // self.world_size))
-
-    def _step_agreed(self):
-        if self._step_future is not None:
-            summed = self._wait(self._step_future, "the step check", BACKEND)
-            sums, n = (summed[0] if isinstance(summed, list) else summed).tolist(), self.forwards
-        elif self._step_sums is not None:
-            sums = [round(v) for v in self._step_sums]
-            n = self.forwards % self._stamp_modulus(self.buckets[0].carrier.dtype)
-        else:
-            return
-        ranks, total, squares = sums
-        if total != ranks * n or squares != ranks * n * n:
-            raise RuntimeError(
-                f"minddp (rank {self.rank}): ranks are out of step: this backward belongs to "
-                f"rank {self.rank}'s synced forward #{self.forwards}, but not every other "
-                f"rank's does. A rank skipped a backward (an exception inside backward, "
-                f"caught and ignored) or ran a different number of forwards with gradients "
-                f"enabled outside no_sync(); every rank must run the same synced forwards "
-                f"and backwards. No gradient of this backward was written" +
-                ("" if not any(b.sparse for b in self.buckets) else
-                 " (sparse gradients were divided by the world size in place, as torch's DDP "
-                 "divides them before reducing)"))
+    def _wait_step_check(self, future):
+        return self._wait(future, "the step check", BACKEND)
 
     def _launch_replica_check(self):
         """Queue this step's replica check, where one is due, behind every bucket and
@@ -612,7 +587,7 @@ class Reducer:
         if self.progress is not None:  # first: a peer may be waiting for this rank
             self.progress.abandon(f"abandoned iteration {self.iterations}: its backward did not "
                                   f"finish (buckets {_spans(waiting)} never launched)")
-        launched = [f for f in [self._step_future, self._replica_future, *self._futures,
+        launched = [f for f in [self.step_check.future, self._replica_future, *self._futures,
                                 self._used_future] if f is not None]
         for future in launched:  # so that none of it can pair with a later iteration
             try:  # a peer that broke too leaves a note, which ends the wait at once
@@ -674,9 +649,8 @@ class Reducer:
                 bucket.buffer = _no_rows(bucket.params[0])
             else:
                 (bucket.carrier if bucket.carrier is not None else bucket.buffer).zero_()
-        futures = []
-        if self.sum_step is not None and not self._carried():
-            futures.append(self.sum_step(torch.zeros(3, dtype=torch.int64)))
+        step = self.step_check.shadow(self.buckets, self.reduction)
+        futures = [step] if step is not None else []
         futures += [self._launch(b) for b in range(len(self.buckets))]
         if self.find_unused or self.in_first_static_iteration:
             futures.append(self.count_used(torch.zeros_like(self.local_used)))
@@ -716,7 +690,13 @@ class Reducer:
                     param.grad = view
 
     def _set_layout(self, buckets):
-        self.buckets, self._where = buckets, _places(buckets)
+        places = _places(buckets)
+        invariant(set(places) == set(range(len(self.params))) and
+                  sum(len(b.indices) for b in buckets) == len(self.params) and
+                  all(b.index == k for k, b in enumerate(buckets)),
+                  "layout: a parameter sits in no bucket or in two, or bucket k is not "
+                  "buckets[k]; a bucket would never become full, or count a gradient twice")
+        self.buckets, self._where = buckets, places
         self.readiness.set_layout([self._where[i][0].index for i in range(len(self.params))],
                                   len(buckets))
 

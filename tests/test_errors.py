@@ -13,6 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp
+from minddp.errors import first_line
 from minddp.model_sync import ModelMismatch
 from dist_harness import run_world
 from models import BranchNet, DeepNet, batch
@@ -120,6 +121,48 @@ def test_comm_hook_misuse():
     assert "only be called once" in twice
     assert "rank 1" in wrong and "returned a tensor of 1 elements" in wrong, wrong
     assert not_callable.startswith("TypeError") and "must be callable" in not_callable
+
+
+@pytest.mark.parametrize("exc, line", [
+    (RuntimeError("gloo: connection reset\nat line 3"), "gloo: connection reset"),
+    (RuntimeError("\n  after a blank line\nmore"), "after a blank line"),
+    (RuntimeError(), "RuntimeError()"),
+    (ValueError("  \n "), "ValueError('  \\n ')"),
+])
+def test_first_line_never_comes_back_empty(exc, line):
+    assert first_line(exc) == line
+
+
+def _empty_messages(rank, world_size):
+    """A reduction and a finalize that fail with exceptions that carry no message."""
+    def no_message(state, bucket):  # a comm hook whose future fails with RuntimeError()
+        future = torch.futures.Future()
+        future.set_exception(RuntimeError())
+        return future
+
+    hooked = minddp.DDP(DeepNet())
+    hooked.register_comm_hook(None, no_message)
+    failed = _error_of(lambda: hooked(*batch("deep", rank, 0)).sum().backward())
+    later = _error_of(hooked, *batch("deep", rank, 1))
+
+    def bare(b):  # finalize fails without a word (the reducer's own code, say)
+        raise RuntimeError()
+
+    plain = minddp.DDP(DeepNet())
+    plain.reducer._collect = bare
+    finalize = _error_of(lambda: plain(*batch("deep", rank, 0)).sum().backward())
+    after = _error_of(plain, *batch("deep", rank, 1))
+    return failed, later, finalize, after
+
+
+def test_failures_without_a_message_still_say_what_failed():
+    for rank, (failed, later, finalize, after) in enumerate(run_world(_empty_messages, 2)):
+        assert failed.startswith("RuntimeError") and f"rank {rank}" in failed, failed
+        assert "communication hook failed" in failed and failed.endswith("Cause: RuntimeError()")
+        assert "previous backward pass failed" in later and "communication hook" in later, later
+        assert finalize == "RuntimeError: ", finalize  # the cause itself, re-raised
+        assert "previous backward pass failed" in after, after
+        assert after.endswith("Cause: RuntimeError()"), after
 
 
 def _misuse(rank, world_size, case):

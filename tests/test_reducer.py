@@ -1,6 +1,7 @@
 """The reducer's pieces: bucket layout, gradients as bucket views, torch's PowerSGD hook."""
 import copy
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
@@ -133,3 +134,62 @@ def test_each_bucket_is_written_back_before_the_next_is_waited_for():
     for count, seen in run_world(_write_back_order, 2):
         assert count > 2 and len(seen) == 2 * (count - 1)
         assert all(seen), "bucket 0 was still unwritten when a later bucket was waited for"
+
+
+
+def _stamped(n, world_size):
+    """A step check and bucket 0 of a fresh layout, holding the stamp of synced forward n."""
+    from minddp.step_check import StepCheck
+
+    class Exact:  # a reduction that sums bucket 0's slots with it, exactly
+        carries_stamp = True
+
+    built = buckets.build(_params((4, torch.float32)), [MiB], stamp=True)
+    check = StepCheck(sum_step=lambda tensor: None, rank=0, world_size=world_size)
+    check.stamp(n, built, Exact())
+    return check, built[0]
+
+
+def test_step_check_passes_equal_stamps_and_names_a_rank_out_of_step():
+    # The all-reduce of bucket 0 done by hand: three ranks at forward n, then
+    # two at n and one at n - 1. n lies above float32's exact integers (2^24),
+    # so the stamp takes it modulo a bound and still sums exactly.
+    n = (1 << 30) + 5
+    check, bucket = _stamped(n, 3)
+    m = n % check.modulus(torch.float32)
+    assert bucket.carrier[-3:].tolist() == [1, m, m * m]
+    summed = check.take(bucket, bucket.carrier * 3)
+    assert summed.numel() == bucket.buffer.numel()  # the stamp's slots are cut off
+    check.verify(n, [bucket], wait=None)  # agreed: no error
+    _, behind = _stamped(n - 1, 3)
+    check.take(bucket, bucket.carrier * 2 + behind.carrier)
+    with pytest.raises(RuntimeError, match=f"rank 0.*out of step.*forward #{n}"):
+        check.verify(n, [bucket], wait=None)
+
+
+def test_step_check_asserts_a_carried_stamp_comes_back():
+    check, bucket = _stamped(7, 2)
+    with pytest.raises(RuntimeError, match="minddp internal error.*stamp back"):
+        check.verify(7, [bucket], wait=None)  # bucket 0's sum never handed to take()
+
+
+def _broken_order(rank, world_size):
+    ddp = minddp.DDP(DeepNet(), bucket_cap_mb=0.002)
+    ddp(*batch("deep", rank, 0)).sum().backward()
+    errors = []
+    for call in (lambda: ddp.reducer._bucket_full(0),  # full again after its launch
+                 lambda: ddp.reducer._collect(0),      # its Future was collected already
+                 lambda: ddp.reducer.use_buckets(ddp.reducer.buckets[1:])):  # one left out
+        try:
+            call()
+            errors.append("no error")
+        except RuntimeError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_reducer_asserts_its_ordering_invariants():
+    refill, recollect, relayout = run_world(_broken_order, 1)[0]
+    assert refill.startswith("minddp internal error") and "fill once" in refill, refill
+    assert recollect.startswith("minddp internal error") and "waited once" in recollect
+    assert relayout.startswith("minddp internal error") and "layout" in relayout, relayout
