@@ -1,6 +1,7 @@
 """All-reduce time vs message size: minddp's ring / tree / halving-doubling / auto vs the backend.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/collectives.py [--model] [--compression fp16]
+    torchrun --standalone --nproc_per_node=2 benchmarks/collectives.py [--model] \
+        [--compression fp16] [--plugin examples/algorithm_direct.py]
     (or: python -m torch.distributed.run ... with the same arguments)
 
 For each size (4 B .. 64 MiB of float32) every algorithm runs interleaved,
@@ -113,7 +114,8 @@ def make_runners(names, group, chooser):
         elif registry.algorithm(name).bind is auto.bind:  # this run's chooser: rows show picks
             runners[name] = lambda t: registry.algorithm(chooser.pick(t)).all_reduce(t, group)
         else:
-            runners[name] = lambda t, entry=registry.algorithm(name): entry.all_reduce(t, group)
+            entry = registry.algorithm(name)
+            runners[name] = lambda t, entry=entry: entry.all_reduce(t, group)
     return runners
 
 
@@ -248,7 +250,8 @@ def report(rows, costs, args, world):
                ("rel_error", "rel error", "{:.1e}")]
     if args.model:
         columns += [("model_us", "model us", "{:.1f}"), ("model_error", "model err", "{:+.0%}")]
-    shown = [dict(r, size=human_bytes(r["bytes"]), native_ci=format_interval(r["ratio_to_native_ci"]),
+    shown = [dict(r, size=human_bytes(r["bytes"]),
+                  native_ci=format_interval(r["ratio_to_native_ci"]),
                   best_ci=format_interval(r["ratio_to_best_ci"])) for r in rows]
     if args.cpu:
         for row in shown:

@@ -90,9 +90,9 @@ class DistributedDataParallel(TorchDDP):
             process_group = device_mesh.get_group(mesh_dim=0)
         group = process_group if process_group is not None else dist.group.WORLD
         rank = dist.get_rank(group)
-        arguments.refuse_unimplemented(rank, delay_all_reduce_named_params=delay_all_reduce_named_params,
-                              param_to_hook_all_reduce=param_to_hook_all_reduce,
-                              mixed_precision=mixed_precision)
+        arguments.refuse_unimplemented(
+            rank, delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision)
         # skip_all_reduce_unused_params and batched_grad_copy only make torch's
         # DDP faster; minddp accepts them and gives the same gradients without.
         if check_reduction:
@@ -106,10 +106,10 @@ class DistributedDataParallel(TorchDDP):
                 f"would reduce every gradient twice. Wrap the bare model (its .module) once.")
         named = self._trainable(module)
         bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
-        arguments.check_arguments(named, rank, device_ids, bucket_cap_mb, bucket_cap_mb_list, algorithm,
-                         compression)
-        self.forward_sync_buffers, sync_buffers_at_init = arguments.buffer_sync(broadcast_buffers,
-                                                                      forward_sync_buffers)
+        arguments.check_arguments(named, rank, device_ids, bucket_cap_mb, bucket_cap_mb_list,
+                                  algorithm, compression)
+        self.forward_sync_buffers, sync_buffers_at_init = arguments.buffer_sync(
+            broadcast_buffers, forward_sync_buffers)
         self.module = module
         self.device = named[0][1].device
         self.device_ids = None if device_ids is None or self.device.type == "cpu" else [
@@ -319,7 +319,8 @@ class DistributedDataParallel(TorchDDP):
         return outputs
 
     # -- the torch API around the reducer ---------------------------------------
-    def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
+    def join(self, divide_by_initial_world_size=True, enable=True,
+             throw_on_early_termination=False):
         """Context manager for uneven inputs: ranks that run out of batches keep
         matching the others' communication until every rank is done (join.py)."""
         self.logger._set_uneven_input_join()  # also when not enabled, as torch logs it

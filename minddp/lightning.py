@@ -73,7 +73,8 @@ def _build(package, class_name):
         def _setup_model(self, model):
             device_ids = self.determine_ddp_device_ids()
             # As the stock strategy: build the wrapper on a side stream (torch's CUDA notes).
-            ctx = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
+            ctx = (torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None
+                   else nullcontext())
             with ctx:
                 return minddp.DistributedDataParallel(module=model, device_ids=device_ids,
                                                       **self._ddp_kwargs, **self._minddp_kwargs)

@@ -49,7 +49,8 @@ def check_same_model(named_params, settings, group):
                 f"{len(desc['params'])}; first difference at parameter #{k}: rank 0 has "
                 f"{_show(a)}, rank {other} has {_show(b)}. Build the same model on every rank.")
         if desc["settings"] != ref["settings"]:
-            diff = [key for key in ref["settings"] if ref["settings"][key] != desc["settings"].get(key)]
+            diff = [key for key in ref["settings"]
+                    if ref["settings"][key] != desc["settings"].get(key)]
             shown = ", ".join(f"{k}={ref['settings'][k]!r} on rank 0 but "
                               f"{desc['settings'].get(k)!r} on rank {other}" for k in diff)
             raise ModelMismatch(f"minddp (rank {me}): ranks disagree on the wrapper's settings: "

@@ -101,9 +101,10 @@ def measure_link(reduce, submit, group, device, dtype=torch.float32, announce=No
 
     `reduce(tensor)` reduces and waits, `submit(tensor)` starts one and returns
     its Future; `announce(tensors)`, if given, is told the tensors first (auto
-    then picks for their sizes without timing them: they are probes). alpha and beta (microseconds, and per byte): a line through the
-    time of LINK_BYTES sizes, each the lower quartile of a few runs after a
-    barrier (cost_model.interleaved). slowdown: how much of a reduction's time
+    then picks for their sizes without timing them: they are probes). alpha and
+    beta (microseconds, and per byte): a line through the time of LINK_BYTES
+    sizes, each the lower quartile of a few runs after a barrier
+    (cost_model.interleaved). slowdown: how much of a reduction's time
     the computation running beside it loses (0: none, the link is waiting on the
     wire or another device computes; 1: the reduction takes the cores backward
     needs, as over loopback on a busy host). A collective on `group`.

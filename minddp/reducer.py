@@ -555,8 +555,9 @@ class Reducer:
             cause = first_line(e).replace(
                 "Got the following error when running the callback: ", "")
             raise RuntimeError(
-                f"minddp (rank {self.rank}): all-reduce of {what} with {via or self.reduction.name} "
-                f"failed in iteration {self.iterations}: {who}. Cause: {cause}") from e
+                f"minddp (rank {self.rank}): all-reduce of {what} with "
+                f"{via or self.reduction.name} failed in iteration {self.iterations}: {who}. "
+                f"Cause: {cause}") from e
 
     def _wait_step_check(self, future):
         return self._wait(future, "the step check", BACKEND)

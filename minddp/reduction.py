@@ -25,7 +25,7 @@ PowerSGD through `powersgd.PowerSGDReduction`.
                                buffer itself or a tensor of its size) on the
                                bucket's device
     reduction.carries_stamp    True: it sums bucket 0's step-check slots with
-                               the bucket, exactly (reducer.py, the step check)
+                               the bucket, exactly (step_check.py)
 
 Sparse buckets (buckets.py: one parameter whose .grad is sparse) are handed
 over like any other; a comm hook gets the sparse gradient as bucket.buffer(),

@@ -1,7 +1,8 @@
 """Registry entries from outside minddp that every registry-parametrised test covers:
 each examples/algorithm_*.py and examples/codec_*.py (a new file there is tested
-without editing a test), and the files named in $MINDDP_PLUGINS (separated by ':'). The parent process loads them at collection (conftest.py),
-every rank before its test function (dist_harness.py), so both see one registry."""
+without editing a test), and the files named in $MINDDP_PLUGINS (separated by ':').
+The parent process loads them at collection (conftest.py), every rank before its test
+function runs (dist_harness.py), so both see one registry."""
 import glob
 import os
 

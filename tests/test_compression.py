@@ -134,9 +134,9 @@ def _train(rank, world_size, algorithm, steps):
 
     losses = []
     # The uncompressed baseline on the backend's all-reduce: the same sums, sooner.
-    for algorithm, setting in (("native", None), (algorithm, "fp16")):
+    for name, setting in (("native", None), (algorithm, "fp16")):
         torch.manual_seed(0)
-        ddp = minddp.DDP(SimpleTransformer(), algorithm=algorithm, compression=setting)
+        ddp = minddp.DDP(SimpleTransformer(), algorithm=name, compression=setting)
         opt = torch.optim.AdamW(ddp.parameters(), lr=5e-4, weight_decay=0.01)
         torch.manual_seed(rank)  # the same dropout masks in both runs
         # Random tokens hold nothing to learn but themselves: cycling over 4

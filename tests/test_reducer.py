@@ -95,7 +95,7 @@ def _never_used(rank, world_size):
             return self.used(x)
 
     ddp = minddp.DDP(WithSpare(), find_unused_parameters=True)
-    for step in range(2):
+    for _ in range(2):
         ddp(torch.randn(3, 4)).sum().backward()
     return ddp.module.spare.weight.grad is None, ddp.module.used.weight.grad is not None
 

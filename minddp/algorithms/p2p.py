@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from minddp import devices
 from minddp.algorithms import lanes
+from minddp.errors import first_line
 
 # Segment size: big enough that the per-message cost is small, small enough
 # that adding one segment overlaps receiving the next. Larger than gloo's own
@@ -314,7 +315,7 @@ class Link:
                 if how == "set" and (peer, its_tag) not in adders_tags:
                     post(i)
         sent = [self._send(item, tag, plain) for item in sends]
-        for i, (peer, view, how, _) in enumerate(recvs):
+        for i, (_, view, how, _) in enumerate(recvs):
             self._wait(posted[i])
             wire = wires[i]
             _combine(view, wire, how, codec)
@@ -439,11 +440,10 @@ class Link:
 
     def error(self, what, peer, cause):
         """The error for a failed message to or from `peer` (a rank, or a list of them)."""
-        first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else repr(cause)
         who = f"rank {peer}" if isinstance(peer, int) else "ranks " + ", ".join(map(str, peer))
         return RuntimeError(
             f"minddp {self.algorithm} all-reduce (rank {self.rank} of {self.size}): failed to "
-            f"{what} {who}: {first_line}. The peer died, is stuck, or called a different "
+            f"{what} {who}: {first_line(cause)}. The peer died, is stuck, or called a different "
             f"collective (every rank must reduce the same buckets in the same order); fix the "
             f"peer's failure first, or raise the process group's timeout if it is just slow.")
 

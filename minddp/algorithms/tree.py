@@ -128,7 +128,7 @@ def _one_segment(link, parent, children):
         works = []
         for peer, buf in zip(children, bufs):
             works.append(link.lane("recv", peer).recv([buf], peer, TAG))
-        for peer, work in zip(children, works):
+        for peer, work in zip(children, works):  # noqa: B007 - `peer` names the failed wait
             work.wait()  # bounded by the group's timeout, as in exchange
     except Exception as e:
         raise link.error(what, peer, e) from e
@@ -143,7 +143,7 @@ def _one_segment(link, parent, children):
         what, works = "send to", []
         for peer in children:
             works.append(link.lane("send", peer).send([flat], peer, TAG))
-        for peer, work in zip(children, works):
+        for peer, work in zip(children, works):  # noqa: B007 - `peer` names the failed wait
             work.wait()
     except Exception as e:
         raise link.error(what, peer, e) from e

@@ -120,7 +120,8 @@ def compress_with_feedback(src, dtype, error, decode):
     packed, scale = compress(fed, dtype)
     decoded = decompress(packed, scale)
     change = decoded - fed
-    error.copy_(torch.where(torch.isfinite(change), change, torch.zeros_like(change)).view_as(error))
+    kept = torch.where(torch.isfinite(change), change, torch.zeros_like(change))
+    error.copy_(kept.view_as(error))
     if decode:
         src.copy_(decoded)
     return packed, scale
