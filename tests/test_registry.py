@@ -140,3 +140,21 @@ def test_no_algorithm_or_codec_name_is_compared_outside_the_registry():
     assert not found, f"names compared (line, name): {found}"
     assert _compared_names("if a == 'ring' or b in ('x', 'int8'):\n    pass", names) == [
         (1, "ring"), (1, "int8")]  # the check itself sees them
+
+
+def test_compare_py_rows_for_registered_entries(tmp_path, scratch_registry):
+    from benchmarks import configs
+    plugin = tmp_path / "mine.py"
+    plugin.write_text("import minddp\n"
+                      "minddp.register_algorithm('scratch_sum', lambda t, g: t)\n"
+                      "minddp.register_codec('scratch8', encode=lambda t: (t,),\n"
+                      "                      decode=lambda w: w[0])\n")
+    first = registry.algorithm_names(per_hop_only=True)[0]
+    assert configs.load_plugins([str(plugin)]) == ["minddp_scratch_sum",
+                                                   f"minddp_{first}_scratch8"]
+    assert configs.how_to_build("minddp_scratch_sum") == ("minddp", "scratch_sum", None)
+    assert configs.how_to_build("minddp_halving_doubling_fp16") == ("minddp", "halving_doubling",
+                                                                    "fp16")
+    assert configs.how_to_build("minddp_nonesuch") is None
+    with pytest.raises(SystemExit, match="minddp_<algorithm>"):
+        configs.check_names(["minddp_nonesuch"])
