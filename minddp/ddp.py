@@ -191,7 +191,7 @@ class DistributedDataParallel(TorchDDP):
                                           self.world_size)
         device = self.engine.device
         count_used = functools.partial(_sum_on_engine, self.engine, device, "used-map")
-        sum_step = functools.partial(_sum_now, self.engine.check_group,
+        sum_step = functools.partial(_sum_async, self.engine.check_group,
                                      group_device(self.engine.check_group))
         progress = (PeerProgress(self.process_group, self._member)
                     if self.world_size > 1 else None)
@@ -567,7 +567,7 @@ def _refuse_outer_wrapper(ddp):
             f"HF Trainer').")
 
 
-def _sum_now(group, device, tensor):
+def _sum_async(group, device, tensor):
     """Start summing a small tensor on `group` from this thread; a Future of it.
     No Python runs when it completes: nothing to hand over between threads."""
     return dist.all_reduce(tensor.to(device), group=group, async_op=True).get_future()

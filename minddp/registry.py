@@ -246,9 +246,8 @@ def codec(name):
     try:
         return _codecs[name]
     except (KeyError, TypeError):
-        raise ValueError(f"minddp: unknown compression {name!r}; choose one of "
-                         f"{compression_names()} or None, or register a codec "
-                         f"(minddp.register_codec)") from None
+        raise ValueError(f"minddp: unknown codec {name!r}; choose one of {codec_names()} "
+                         f"or register one (minddp.register_codec)") from None
 
 
 def whole_bucket(name):
@@ -301,6 +300,10 @@ def load(path):
             raise ValueError(f"minddp: cannot import {path!r} (not a Python file?)")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
         _loaded[path] = module
     return _loaded[path]

@@ -57,7 +57,7 @@ if not torch._C._dispatch_has_kernel_for_dispatch_key("minddp::compress", "CUDA"
              "setup.py compiles csrc/cuda only where torch.cuda.is_available(), torch.version.cuda "
              "and CUDA_HOME (nvcc) are all there, and skips a failed compile with a WARNING "
              "(see the build output above)")
-from minddp import compression_reference as reference
+from minddp.compression import reference
 
 x = torch.randn(1 << 20, device="cuda") * 1e3
 for dtype in (torch.float16, torch.int8):

@@ -50,9 +50,11 @@ def check(compression, algorithm, rank):
         return
     try:
         codec = registry.codec(compression)
-    except ValueError as e:
-        raise ValueError(f"{e} (rank {rank}; or minddp.PowerSGD(rank=..., "
-                         f"warmup_steps=...))") from None
+    except ValueError:
+        raise ValueError(f"minddp (rank {rank}): unknown compression {compression!r}; choose "
+                         f"one of {registry.compression_names()}, None or minddp.PowerSGD("
+                         f"rank=..., warmup_steps=...), or register a codec "
+                         f"(minddp.register_codec)") from None
     why = registry.algorithm(algorithm).carries(codec)
     if why is not None:
         raise ValueError(f"minddp (rank {rank}): algorithm {algorithm!r} cannot carry "
