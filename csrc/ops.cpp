@@ -1,5 +1,6 @@
 // The one registration file: the Python module, op schemas (TORCH_LIBRARY) and
-// one implementation block per device (TORCH_LIBRARY_IMPL).
+// one implementation block per device or dispatch key (TORCH_LIBRARY_IMPL: CPU,
+// Meta, CUDA).
 #include <torch/extension.h>
 
 #include "compress.h"
@@ -37,6 +38,14 @@ TORCH_LIBRARY_IMPL(minddp, CPU, m) {
   m.impl("decompress", &minddp::decompress_cpu);
   m.impl("decompress.out", &minddp::decompress_out_cpu);
   m.impl("decompress_add_", &minddp::decompress_add_cpu);
+}
+
+TORCH_LIBRARY_IMPL(minddp, Meta, m) {
+  m.impl("compress", &minddp::compress_meta);
+  m.impl("compress_with_feedback", &minddp::compress_with_feedback_meta);
+  m.impl("decompress", &minddp::decompress_meta);
+  m.impl("decompress.out", &minddp::decompress_out_meta);
+  m.impl("decompress_add_", &minddp::decompress_add_meta);
 }
 
 #ifdef MINDDP_WITH_CUDA
