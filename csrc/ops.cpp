@@ -1,6 +1,6 @@
 // The one registration file: the Python module, op schemas (TORCH_LIBRARY) and
 // one implementation block per device or dispatch key (TORCH_LIBRARY_IMPL: CPU,
-// Meta, CUDA).
+// Meta, Autograd, CUDA).
 #include <torch/extension.h>
 
 #include "compress.h"
@@ -53,6 +53,18 @@ TORCH_LIBRARY_IMPL(minddp, Meta, m) {
   m.impl("decompress", &minddp::decompress_meta);
   m.impl("decompress.out", &minddp::decompress_out_meta);
   m.impl("decompress_add_", &minddp::decompress_add_meta);
+}
+
+// Not differentiable: they encode and decode gradients, which are never themselves
+// differentiated, and a rounding to 8 or 16 bits has no useful derivative. A fallthrough
+// at Autograd says so, as torch asks of non-differentiable ops: outputs do not require
+// grad. Without it torch's autograd fallback marks them as requiring grad and only warns,
+// at backward, that no autograd kernel exists.
+TORCH_LIBRARY_IMPL(minddp, Autograd, m) {
+  for (const char* op : {"compress", "compress_with_feedback", "decompress", "decompress.out",
+                         "decompress_add_"}) {
+    m.impl(op, torch::CppFunction::makeFallthrough());
+  }
 }
 
 #ifdef MINDDP_WITH_CUDA
