@@ -1,4 +1,4 @@
-// Declarations shared by the registration file, the CPU kernels and the CUDA glue,
+// Declarations shared by the registration file, the CPU, Meta and CUDA kernels,
 // plus the argument checks every device applies before touching memory.
 #pragma once
 #include <ATen/ATen.h>
@@ -14,6 +14,18 @@ namespace minddp {
 // into c10::str from here segfaults in std::ostream::_M_insert<long> (seen under
 // cuda-gdb), while strings stream fine. std::to_string uses no iostream locale.
 inline std::string num(int64_t n) { return std::to_string(n); }
+// Under torch.compile the Meta kernels see symbolic sizes (s0, 1024*s1): their name.
+inline std::string num(const c10::SymInt& n) {
+  if (auto concrete = n.maybe_as_int()) return num(*concrete);
+  return n.toSymNodeImplUnowned()->str();
+}
+
+// int8_blocks (scale.h) of a size that may be symbolic. The two agree for n >= 0:
+// one scale per started block, at least one.
+inline c10::SymInt int8_blocks(const c10::SymInt& n) {
+  if (auto concrete = n.maybe_as_int()) return int8_blocks(*concrete);
+  return ((n + (kInt8Block - 1)) / kInt8Block).max(c10::SymInt(1));
+}
 
 std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& src, at::ScalarType dtype);
 std::tuple<at::Tensor, at::Tensor> compress_with_feedback_cpu(at::Tensor& src, at::ScalarType dtype,
@@ -21,6 +33,15 @@ std::tuple<at::Tensor, at::Tensor> compress_with_feedback_cpu(at::Tensor& src, a
 at::Tensor decompress_cpu(const at::Tensor& packed, const at::Tensor& scale);
 at::Tensor& decompress_out_cpu(const at::Tensor& packed, const at::Tensor& scale, at::Tensor& out);
 at::Tensor& decompress_add_cpu(at::Tensor& dst, const at::Tensor& packed, const at::Tensor& scale);
+
+// Meta (compress_meta.cpp): the same checks, and outputs with the kernels' shapes, dtypes and
+// strides but no data; FakeTensor runs these, so torch.compile can trace the ops.
+std::tuple<at::Tensor, at::Tensor> compress_meta(const at::Tensor& src, at::ScalarType dtype);
+std::tuple<at::Tensor, at::Tensor> compress_with_feedback_meta(at::Tensor& src, at::ScalarType dtype,
+                                                          at::Tensor& error, bool decode);
+at::Tensor decompress_meta(const at::Tensor& packed, const at::Tensor& scale);
+at::Tensor& decompress_out_meta(const at::Tensor& packed, const at::Tensor& scale, at::Tensor& out);
+at::Tensor& decompress_add_meta(at::Tensor& dst, const at::Tensor& packed, const at::Tensor& scale);
 
 #ifdef MINDDP_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> compress_cuda(const at::Tensor& src, at::ScalarType dtype);
@@ -51,10 +72,10 @@ inline void check_feedback_args(const at::Tensor& src, at::ScalarType dtype,
               "feedback (fp16 and bf16 travel without it), got ", dtype, "; use "
               "minddp.compress for them");
   TORCH_CHECK(error.scalar_type() == at::kFloat && error.is_contiguous() &&
-              error.numel() == src.numel() && error.device() == src.device(),
+              error.sym_numel() == src.sym_numel() && error.device() == src.device(),
               "minddp.compress_with_feedback: error must be a contiguous float32 tensor of src's ",
-              num(src.numel()), " elements on ", src.device(), ", got ", error.scalar_type(),
-              " with ", num(error.numel()), " elements on ", error.device());
+              num(src.sym_numel()), " elements on ", src.device(), ", got ", error.scalar_type(),
+              " with ", num(error.sym_numel()), " elements on ", error.device());
 }
 
 // dst is undefined for decompress (it allocates its own output); for decompress.out it is `out`.
@@ -66,11 +87,12 @@ inline void check_decompress_args(const char* op, const at::Tensor& dst, const a
   TORCH_CHECK(packed.is_contiguous(), op, ": packed must be contiguous; call .contiguous() on "
               "it first");
   // int8 has a scale per block of kInt8Block values; the 16-bit formats one in all.
-  const int64_t scales = packed.scalar_type() == at::kChar ? int8_blocks(packed.numel()) : 1;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == scales &&
+  const c10::SymInt scales =
+      packed.scalar_type() == at::kChar ? int8_blocks(packed.sym_numel()) : c10::SymInt(1);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.sym_numel() == scales &&
               scale.is_contiguous(), op, ": scale must be the contiguous float32 tensor of ",
               num(scales), " element(s) that minddp.compress returned with packed, got ",
-              scale.scalar_type(), " with ", num(scale.numel()), " elements");
+              scale.scalar_type(), " with ", num(scale.sym_numel()), " elements");
   TORCH_CHECK(scale.device() == packed.device(), op, ": scale is on ", scale.device(),
               " but packed is on ", packed.device(), "; move both to the same device");
   if (!dst.defined()) return;
@@ -80,8 +102,9 @@ inline void check_decompress_args(const char* op, const at::Tensor& dst, const a
               "contiguous buffer and copy back");
   TORCH_CHECK(dst.device() == packed.device(), op, ": dst is on ", dst.device(),
               " but packed is on ", packed.device(), "; move both to the same device");
-  TORCH_CHECK(dst.numel() == packed.numel(), op, ": dst has ", num(dst.numel()), " elements but "
-              "packed has ", num(packed.numel()), "; pass the chunk that was compressed");
+  TORCH_CHECK(dst.sym_numel() == packed.sym_numel(), op, ": dst has ", num(dst.sym_numel()),
+              " elements but packed has ", num(packed.sym_numel()), "; pass the chunk that was "
+              "compressed");
 }
 
 }  // namespace minddp

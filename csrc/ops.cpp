@@ -1,5 +1,6 @@
 // The one registration file: the Python module, op schemas (TORCH_LIBRARY) and
-// one implementation block per device (TORCH_LIBRARY_IMPL).
+// one implementation block per device or dispatch key (TORCH_LIBRARY_IMPL: CPU,
+// Meta, Autograd, CUDA).
 #include <torch/extension.h>
 
 #include "compress.h"
@@ -19,16 +20,23 @@ PYBIND11_MODULE(_C, m) {
   minddp::bind_readiness(m);
 }
 
+// pt2_compliant_tag: tests/test_opcheck.py runs torch.library.opcheck on every op (schema,
+// Meta/fake, autograd registration, AOT dispatch with dynamic shapes). The out and inplace
+// tags tell torch.compile's functionalization that the returned Tensor(a!) is the buffer
+// passed in, which it needs to trace an op whose return aliases an argument.
 TORCH_LIBRARY(minddp, m) {
-  m.def("compress(Tensor src, ScalarType dtype) -> (Tensor packed, Tensor scale)");
+  const std::vector<at::Tag> pt2 = {at::Tag::pt2_compliant_tag};
+  m.def("compress(Tensor src, ScalarType dtype) -> (Tensor packed, Tensor scale)", pt2);
   // int8 with error feedback: compress src - error, then error = what that changed;
   // with decode, src becomes the decoding (a finished value leaving its owner).
   m.def("compress_with_feedback(Tensor(a!) src, ScalarType dtype, Tensor(b!) error, bool decode) "
-        "-> (Tensor packed, Tensor scale)");
-  m.def("decompress(Tensor packed, Tensor scale) -> Tensor");
+        "-> (Tensor packed, Tensor scale)", pt2);
+  m.def("decompress(Tensor packed, Tensor scale) -> Tensor", pt2);
   // decode into an existing buffer (a bucket's slice): no temporary, no zeroing.
-  m.def("decompress.out(Tensor packed, Tensor scale, *, Tensor(a!) out) -> Tensor(a!)");
-  m.def("decompress_add_(Tensor(a!) dst, Tensor packed, Tensor scale) -> Tensor(a!)");
+  m.def("decompress.out(Tensor packed, Tensor scale, *, Tensor(a!) out) -> Tensor(a!)",
+        {at::Tag::out, at::Tag::pt2_compliant_tag});
+  m.def("decompress_add_(Tensor(a!) dst, Tensor packed, Tensor scale) -> Tensor(a!)",
+        {at::Tag::inplace, at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(minddp, CPU, m) {
@@ -37,6 +45,26 @@ TORCH_LIBRARY_IMPL(minddp, CPU, m) {
   m.impl("decompress", &minddp::decompress_cpu);
   m.impl("decompress.out", &minddp::decompress_out_cpu);
   m.impl("decompress_add_", &minddp::decompress_add_cpu);
+}
+
+TORCH_LIBRARY_IMPL(minddp, Meta, m) {
+  m.impl("compress", &minddp::compress_meta);
+  m.impl("compress_with_feedback", &minddp::compress_with_feedback_meta);
+  m.impl("decompress", &minddp::decompress_meta);
+  m.impl("decompress.out", &minddp::decompress_out_meta);
+  m.impl("decompress_add_", &minddp::decompress_add_meta);
+}
+
+// Not differentiable: they encode and decode gradients, which are never themselves
+// differentiated, and a rounding to 8 or 16 bits has no useful derivative. A fallthrough
+// at Autograd says so, as torch asks of non-differentiable ops: outputs do not require
+// grad. Without it torch's autograd fallback marks them as requiring grad and only warns,
+// at backward, that no autograd kernel exists.
+TORCH_LIBRARY_IMPL(minddp, Autograd, m) {
+  for (const char* op : {"compress", "compress_with_feedback", "decompress", "decompress.out",
+                         "decompress_add_"}) {
+    m.impl(op, torch::CppFunction::makeFallthrough());
+  }
 }
 
 #ifdef MINDDP_WITH_CUDA
