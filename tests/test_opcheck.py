@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minddp import compression
-from minddp import compression_reference as reference
+from minddp.compression import reference
 
 pytestmark = pytest.mark.skipif(not compression.HAVE_EXTENSION, reason="minddp._C is not built")
 
