@@ -144,6 +144,8 @@ class DistributedDataParallel(TorchDDP):
         self._take_name()
         with _current(self.device):
             self._join_peers(named, settings, rank, init_sync, sync_buffers_at_init)
+            if self.timeline is not None and self.world_size > 1:
+                self.timeline.align(self.engine.check_group)  # one clock for diagnose.py
             self._build_reducer(named, static_graph)
             self.reducer.reduction.setup(self.reducer.buckets,
                                          provisional=self.reducer.planner is not None)

@@ -272,7 +272,7 @@ class Reducer:
         self._fill(bucket)
         self._filled[b] = True
         if self.timeline is not None:
-            self.timeline.instant(f"ready b{b}", bytes=bucket.nbytes)
+            self.timeline.instant(f"ready b{b}", bytes=bucket.nbytes, iteration=self.iterations)
         self._launch_ready()
 
     def _fill(self, bucket):

@@ -7,7 +7,8 @@ chrome://tracing; `merge` joins the ranks into one file). What is recorded, per
 iteration:
 
     backward      first gradient hook -> end of backward (the autograd callback)
-    ready b<i>    the moment bucket i's last gradient arrived (an instant)
+    ready b<i>    the moment bucket i's last gradient arrived (an instant; args:
+                  the iteration)
     comm b<i>     bucket i's all-reduce, from when the communication thread
                   starts it to when its result is there (thread "comm")
     finalize      waiting for the buckets and writing .grad
@@ -15,6 +16,11 @@ iteration:
 `hidden_share` reads the overlap back: how much of the communication ran
 while backward was still computing. The same spans are labelled for
 torch.profiler (record_function), so a torch profile shows them too.
+
+Each rank's clock counts from its own start. `align(group)` measures how far
+it is from rank 0's (a few round trips, the shortest kept, as NTP does), and
+the file records that offset, so `python -m minddp.diagnose` can put every
+rank's events on one clock and say who waited for whom (diagnose.py).
 """
 import atexit
 import json
@@ -23,8 +29,10 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 _T0 = time.perf_counter()
+ALIGN_ROUNDS = 16  # round trips per rank when aligning clocks (a few ms in all)
 
 
 def now_us():
@@ -38,6 +46,8 @@ class Timeline:
         self.path = f"{path}.rank{rank}.json" if path else None
         self.rank = rank
         self.events = []
+        self.offset_us = 0.0  # rank 0's clock minus this rank's (align)
+        self.offset_error_us = None  # half the shortest round trip: the offset's bound
         self._lock = threading.Lock()  # spans arrive from the training and comm threads
         if self.path:
             atexit.register(self.save)
@@ -53,12 +63,40 @@ class Timeline:
             self.events.append({"name": name, "ph": "i", "s": "t", "ts": now_us(),
                                 "pid": self.rank, "tid": thread, "args": args})
 
+    def align(self, group, rounds=ALIGN_ROUNDS):
+        """Measure this rank's clock against the group's first rank (rank 0 of the
+        group): a collective, every rank of `group` calls it. `group` must take CPU
+        tensors (gloo). Each other rank in turn pings the first `rounds` times; the
+        round trip with the shortest time bounds the offset best."""
+        ranks = dist.get_process_group_ranks(group)
+        me, first = dist.get_rank(), ranks[0]
+        buf = torch.zeros(1, dtype=torch.float64)
+        for peer in ranks[1:]:
+            for _ in range(rounds):
+                if me == peer:
+                    sent = now_us()
+                    dist.send(buf, first, group=group)
+                    dist.recv(buf, first, group=group)
+                    back = now_us()
+                    error = (back - sent) / 2
+                    if self.offset_error_us is None or error < self.offset_error_us:
+                        self.offset_error_us = error
+                        self.offset_us = buf.item() - (sent + back) / 2
+                elif me == first:
+                    dist.recv(buf, peer, group=group)
+                    buf.fill_(now_us())
+                    dist.send(buf, peer, group=group)
+        if me == first:
+            self.offset_us, self.offset_error_us = 0.0, 0.0
+
     def save(self):
         if self.path is None:
             return None
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with self._lock, open(self.path, "w") as f:
-            json.dump({"traceEvents": self.events, "displayTimeUnit": "ms"}, f)
+            json.dump({"traceEvents": self.events, "displayTimeUnit": "ms",
+                       "otherData": {"rank": self.rank, "clock_offset_us": self.offset_us,
+                                     "clock_offset_error_us": self.offset_error_us}}, f)
         return self.path
 
 

@@ -1,0 +1,69 @@
+"""python -m minddp.diagnose: an injected straggler is named, with its delay; none is blamed
+without one."""
+import glob
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import minddp
+from dist_harness import run_world
+from minddp import diagnose
+
+SLEEP_S = 0.03
+
+
+class Net(nn.Module):
+    """Six layers; on the straggler, backward sleeps before the first layer's gradients."""
+
+    def __init__(self, straggler):
+        super().__init__()
+        self.first = nn.Linear(32, 32)
+        self.rest = nn.Sequential(*[nn.Linear(32, 32) for _ in range(5)])
+        self.straggler = straggler
+
+    def forward(self, x):
+        h = self.first(x)
+        if self.straggler:
+            h.register_hook(lambda g: time.sleep(SLEEP_S) or g)
+        return self.rest(h)
+
+
+def _train(rank, world_size, prefix, victim, steps=10):
+    torch.manual_seed(0)
+    ddp = minddp.DDP(Net(rank == victim), algorithm="native", bucket_cap_mb=0.005,
+                     timeline=prefix)
+    for _ in range(steps):
+        ddp(torch.randn(8, 32)).square().mean().backward()
+    ddp.timeline.save()
+    return ddp.timeline.offset_error_us
+
+
+@pytest.mark.parametrize("world_size, victim", [(2, 1), (4, 2), (2, None)],
+                         ids=["one-of-2", "one-of-4", "none"])
+def test_diagnose_names_the_straggler(tmp_path, world_size, victim):
+    prefix = str(tmp_path / "trace")
+    run_world(_train, world_size, prefix, victim, timeout=120)
+    files = sorted(glob.glob(prefix + ".rank*.json"))
+    assert len(files) == world_size
+    report = diagnose.attribute(diagnose.load(files))
+    assert report["iterations"] == 10 and report["buckets"] >= 20, report
+    if victim is None:
+        assert report["blamed"] == [], diagnose.describe(report)
+        return
+    named = [it for it, c in report["per_iteration"].items() if c["rank"] == victim]
+    assert len(named) >= 9, diagnose.describe(report)  # at least 90% of the iterations
+    assert report["blamed"] == [victim], diagnose.describe(report)
+    delay = report["per_rank"][victim]["delay_ms"]
+    assert abs(delay - SLEEP_S * 1e3) <= 0.2 * SLEEP_S * 1e3, diagnose.describe(report)
+    out = subprocess.run([sys.executable, "-m", "minddp.diagnose", *files, "--merged",
+                          str(tmp_path / "all.json")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"=> rank {victim} made the others wait" in out.stdout, out.stdout
+    merged = json.loads((tmp_path / "all.json").read_text())["traceEvents"]
+    assert any(e["name"] == f"waited for rank {victim}" for e in merged)
