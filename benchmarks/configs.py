@@ -6,6 +6,8 @@ instead of failing the benchmark.
 """
 import copy
 import dataclasses
+import os
+import tempfile
 from typing import Callable, Optional
 
 import torch
@@ -50,6 +52,10 @@ CONFIGS.update({
     "minddp_native_noreplicas": ("minddp", "native", None, {"check_replicas": 0}),
     # torch's opt-in batched copies (one _foreach_copy_ and one div_ per bucket)
     "torch_ddp_batched": ("torch", None, {"batched_grad_copy": True}),
+    # what recording a timeline (for python -m minddp.diagnose) costs: minddp_native with one,
+    # written to the temporary folder at exit
+    "minddp_native_timeline": ("minddp", "native", None,
+                               {"timeline": os.path.join(tempfile.gettempdir(), "minddp-trace")}),
 })
 
 
@@ -234,10 +240,11 @@ def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False,
             algorithm, compression, *more = how
             try:
                 trace = f"{timeline}.{workload.name}.{name}" if timeline else None
+                keywords = {"timeline": trace, **(more[0] if more else {})}
                 config.model = minddp.DDP(model, device_ids=device_ids, bucket_cap_mb=cap,
                                           gradient_as_bucket_view=as_view,
                                           algorithm=algorithm, compression=compression,
-                                          timeline=trace, **(more[0] if more else {}))
+                                          **keywords)
             except NotImplementedError:
                 config.absent = f"{algorithm}/{compression or 'fp32'}: not implemented"
                 configs.append(config)
