@@ -34,6 +34,7 @@ from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_mo
 from minddp.reducer import Phase, Reducer
 from minddp.reduction import HookReduction
 from minddp.replicas import DEFAULT_INTERVAL, ReplicaCheck, interval_of
+from minddp.timeline import align as align_clocks
 from minddp.timeline import from_environment
 
 _constructed = collections.Counter()  # ranks -> wrappers constructed over them
@@ -144,8 +145,8 @@ class DistributedDataParallel(TorchDDP):
         self._take_name()
         with _current(self.device):
             self._join_peers(named, settings, rank, init_sync, sync_buffers_at_init)
-            if self.timeline is not None and self.world_size > 1:
-                self.timeline.align(self.engine.check_group)  # one clock for diagnose.py
+            if self.world_size > 1:  # one clock for diagnose.py, where any rank records
+                align_clocks(self.timeline, self.engine.check_group)
             self._build_reducer(named, static_graph)
             self.reducer.reduction.setup(self.reducer.buckets,
                                          provisional=self.reducer.planner is not None)

@@ -82,7 +82,7 @@ class Algorithm:
             return self.bind(group, codec)
         if codec is None:
             if self.launch is None:
-                return functools.partial(self.all_reduce, group=group)
+                return _in_place(self.all_reduce, group)
             run = functools.partial(self.launch, group=group)
             run.nonblocking = True  # comm.py may start it from the training thread
             return run
@@ -93,8 +93,17 @@ class Algorithm:
                              f"({', '.join(per_hop_names())}) or another compression.")
         if self.per_hop:
             return functools.partial(self.all_reduce, group=group, codec=codec)
-        plain = functools.partial(self.all_reduce, group=group)
-        return functools.partial(codec.sum_whole, group=group, all_reduce=plain)
+        return functools.partial(codec.sum_whole, group=group,
+                                 all_reduce=_in_place(self.all_reduce, group))
+
+
+def _in_place(fn, group):
+    """`fn(tensor, group)` as a collective that returns the tensor, also where `fn` only
+    sums in place and returns None (register_algorithm asks no more)."""
+    def collective(tensor):
+        result = fn(tensor, group)
+        return tensor if result is None else result
+    return collective
 
 
 class Codec:

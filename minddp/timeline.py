@@ -17,7 +17,7 @@ iteration:
 while backward was still computing. The same spans are labelled for
 torch.profiler (record_function), so a torch profile shows them too.
 
-Each rank's clock counts from its own start. `align(group)` measures how far
+Each rank's clock counts from its own start. `align(timeline, group)` measures how far
 it is from rank 0's (a few round trips, the shortest kept, as NTP does), and
 the file records that offset, so `python -m minddp.diagnose` can put every
 rank's events on one clock and say who waited for whom (diagnose.py).
@@ -46,7 +46,7 @@ class Timeline:
         self.path = f"{path}.rank{rank}.json" if path else None
         self.rank = rank
         self.events = []
-        self.offset_us = 0.0  # rank 0's clock minus this rank's (align)
+        self.offset_us = 0.0  # rank 0's clock minus this rank's (align())
         self.offset_error_us = None  # half the shortest round trip: the offset's bound
         self._lock = threading.Lock()  # spans arrive from the training and comm threads
         if self.path:
@@ -62,32 +62,6 @@ class Timeline:
         with self._lock:
             self.events.append({"name": name, "ph": "i", "s": "t", "ts": now_us(),
                                 "pid": self.rank, "tid": thread, "args": args})
-
-    def align(self, group, rounds=ALIGN_ROUNDS):
-        """Measure this rank's clock against the group's first rank (rank 0 of the
-        group): a collective, every rank of `group` calls it. `group` must take CPU
-        tensors (gloo). Each other rank in turn pings the first `rounds` times; the
-        round trip with the shortest time bounds the offset best."""
-        ranks = dist.get_process_group_ranks(group)
-        me, first = dist.get_rank(), ranks[0]
-        buf = torch.zeros(1, dtype=torch.float64)
-        for peer in ranks[1:]:
-            for _ in range(rounds):
-                if me == peer:
-                    sent = now_us()
-                    dist.send(buf, first, group=group)
-                    dist.recv(buf, first, group=group)
-                    back = now_us()
-                    error = (back - sent) / 2
-                    if self.offset_error_us is None or error < self.offset_error_us:
-                        self.offset_error_us = error
-                        self.offset_us = buf.item() - (sent + back) / 2
-                elif me == first:
-                    dist.recv(buf, peer, group=group)
-                    buf.fill_(now_us())
-                    dist.send(buf, peer, group=group)
-        if me == first:
-            self.offset_us, self.offset_error_us = 0.0, 0.0
 
     def save(self):
         if self.path is None:
@@ -113,6 +87,37 @@ class _NoLabel:
 
     def __exit__(self, *exc):
         return False
+
+
+def align(timeline, group, rounds=ALIGN_ROUNDS):
+    """Put `timeline` (or None) on the clock of `group`'s first rank: a collective, every
+    rank of `group` calls it, whether or not it records (`timeline=` may be given on some
+    ranks only). `group` must take CPU tensors (gloo). One all-reduce says whether any rank
+    records; if one does, each other rank in turn pings the first `rounds` times, and the
+    round trip with the shortest time bounds the offset best."""
+    anyone = torch.tensor([float(timeline is not None)], dtype=torch.float64)
+    dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=group)
+    if not anyone.item():
+        return
+    ranks = dist.get_process_group_ranks(group)
+    me, first = dist.get_rank(), ranks[0]
+    buf = torch.zeros(1, dtype=torch.float64)
+    offset, error = 0.0, 0.0 if me == first else None
+    for peer in ranks[1:]:
+        for _ in range(rounds):
+            if me == peer:
+                sent = now_us()
+                dist.send(buf, first, group=group)
+                dist.recv(buf, first, group=group)
+                back = now_us()
+                if error is None or (back - sent) / 2 < error:
+                    error, offset = (back - sent) / 2, buf.item() - (sent + back) / 2
+            elif me == first:
+                dist.recv(buf, peer, group=group)
+                buf.fill_(now_us())
+                dist.send(buf, peer, group=group)
+    if timeline is not None:
+        timeline.offset_us, timeline.offset_error_us = offset, error
 
 
 def from_environment(rank, path=None):

@@ -67,3 +67,14 @@ def test_diagnose_names_the_straggler(tmp_path, world_size, victim):
     assert f"=> rank {victim} made the others wait" in out.stdout, out.stdout
     merged = json.loads((tmp_path / "all.json").read_text())["traceEvents"]
     assert any(e["name"] == f"waited for rank {victim}" for e in merged)
+
+
+def _timeline_on_rank_0_only(rank, world_size, prefix):
+    ddp = minddp.DDP(Net(False), algorithm="native", timeline=prefix if rank == 0 else None)
+    ddp(torch.randn(8, 32)).sum().backward()
+    return ddp.timeline is not None and ddp.timeline.offset_error_us == 0.0
+
+
+def test_a_timeline_on_some_ranks_only_does_not_hang(tmp_path):
+    assert run_world(_timeline_on_rank_0_only, 2, str(tmp_path / "trace"), timeout=60) == [
+        True, False]
