@@ -95,13 +95,13 @@ def align(timeline, group, rounds=ALIGN_ROUNDS):
     ranks only). `group` must take CPU tensors (gloo). One all-reduce says whether any rank
     records; if one does, each other rank in turn pings the first `rounds` times, and the
     round trip with the shortest time bounds the offset best."""
-    anyone = torch.tensor([float(timeline is not None)], dtype=torch.float64)
+    anyone = torch.tensor([float(timeline is not None)], dtype=torch.float64, device="cpu")
     dist.all_reduce(anyone, op=dist.ReduceOp.MAX, group=group)
     if not anyone.item():
         return
     ranks = dist.get_process_group_ranks(group)
     me, first = dist.get_rank(), ranks[0]
-    buf = torch.zeros(1, dtype=torch.float64)
+    buf = torch.zeros(1, dtype=torch.float64, device="cpu")
     offset, error = 0.0, 0.0 if me == first else None
     for peer in ranks[1:]:
         for _ in range(rounds):
