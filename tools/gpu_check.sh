@@ -14,6 +14,8 @@
 #        and tests/test_train.py's AMP test
 #   4a-e compare.py --device cuda on 2 ranks (gloo) and 1 rank (NCCL),
 #        kernels.py --device cuda, train.py --amp on 2 ranks and on 1
+#   4f   short steps on 1 NCCL rank: compare.py narrow and transformer (30 steps),
+#        overhead.py (where the wrapper's time goes)
 # A pytest step fails if anything in it is skipped: on a GPU machine nothing
 # may be. After a failed step the others still run (a GPU session is short:
 # it should report all it can), unless step 1 left no virtual environment.
@@ -136,6 +138,17 @@ if broken or not any(r["name"].startswith("minddp") for r in measured):
     sys.exit(f"gpu-check: compare.json has rows without a step time ({broken}) or no minddp row")
 print(f"gpu-check: {sys.argv[1]}: {len(measured)} rows measured on {data['meta']['device']}")
 EOF
+}
+
+# Short steps on one NCCL rank (many small parameters, and the transformer), with enough steps
+# for a usable interval, then where the wrapper's time goes (benchmarks/overhead.py).
+step_short_steps() {
+    "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 benchmarks/compare.py \
+        --device cuda --workloads narrow,transformer --steps 30 --warmup 5 \
+        --configs torch_ddp,torch_ddp_batched,minddp_native,minddp_auto \
+        --out "$RESULTS/short-steps-1rank-nccl" &&
+        "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 benchmarks/overhead.py \
+            --device cuda --steps 200 --out "$RESULTS/overhead-1rank-nccl"
 }
 
 step_kernels_bench() {
@@ -296,6 +309,7 @@ main() {
     run_step 4c "kernels.py --device cuda"                                   90 kernels_bench
     run_step 4d "train.py --amp, 2 ranks on one GPU (gloo)"                 120 train 2 gloo
     run_step 4e "train.py --amp, 1 rank (NCCL)"                              90 train 1 nccl
+    run_step 4f "short steps, 1 rank (NCCL): compare.py narrow, overhead.py" 120 short_steps
     echo
     echo "=== summary: ${SECONDS}s in all"
     printf '%s\n' "${SUMMARY[@]}"

@@ -59,7 +59,9 @@ __global__ void pack_kernel(const float* x, int64_t n, bool vec, const unsigned 
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, start = 0;
   if (vec) {
-    for (int64_t g = i; g < n / 4; g += stride) {
+    // Back to front: amax_kernel has just read x front to back, so its last tens of MB are
+    // still in L2 (50-60 MB on an H100 or H200) and this pass reads them from there.
+    for (int64_t g = n / 4 - 1 - i; g >= 0; g -= stride) {
       float4 v = reinterpret_cast<const float4*>(x)[g];
       Four<T> o;
       store(&o.v[0], __fmul_rn(v.x, scale)); store(&o.v[1], __fmul_rn(v.y, scale));
@@ -99,55 +101,121 @@ __global__ void unpack_kernel(const T* p, int64_t n, bool vec, const float* scal
   }
 }
 
-// One thread block per int8 block (scale.h) at a time: each thread holds
-// kInt8Block / kThreads values in registers while the block's maximum is found,
-// then packs them with the block's scale.
-static_assert(kInt8Block % kThreads == 0, "an int8 block must split evenly over the threads");
+// int8: one warp per int8 block (scale.h) at a time, so a block's maximum needs
+// shuffles only, no __syncthreads. Lane t holds the block's 4-value groups t,
+// t + 32, ... in registers (each a 16-byte load, 512 contiguous bytes a warp)
+// while the maximum is found, then packs them with the block's scale (4-byte
+// stores). Where a pointer is misaligned or the block is the short last one,
+// the same lanes go value by value.
+constexpr int kWarpsPerBlock = kThreads / 32;
+constexpr int kGroupsPerLane = int(kInt8Block / 4 / 32);
+static_assert(kInt8Block % 128 == 0, "an int8 block must split into 4-value groups over a warp");
 
 // With `error` (compress_with_feedback) the values packed are x - error, and error
 // becomes decoded - (x - error) where finite, 0 elsewhere (int8_record_scalar);
 // with `decode`, x = decoded as well.
-__global__ void compress_int8_kernel(float* x, int64_t n, int64_t blocks, float* scales,
+__global__ void compress_int8_kernel(float* x, int64_t n, int64_t blocks, bool vec, float* scales,
                                      signed char* out, float* error, bool decode) {
-  constexpr int kPer = kInt8Block / kThreads;
-  __shared__ float warp_max[kThreads / 32];
-  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
+  for (int64_t b = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32; b < blocks;
+       b += warps) {
     const int64_t begin = b * kInt8Block;
-    float v[kPer];
+    const bool whole = vec && begin + kInt8Block <= n;
+    float v[kGroupsPerLane][4];
     float m = 0.0f;
-    for (int j = 0; j < kPer; ++j) {  // coalesced: thread t reads begin + t + j * kThreads
-      const int64_t k = begin + threadIdx.x + j * kThreads;
-      v[j] = k < n ? (error != nullptr ? __fsub_rn(x[k], error[k]) : x[k]) : 0.0f;
-      m = fmaxf(m, int8_amax_of(v[j]));
+    #pragma unroll
+    for (int j = 0; j < kGroupsPerLane; ++j) {
+      const int64_t k = begin + 4 * (lane + 32 * j);
+      if (whole) {
+        const float4 a = *reinterpret_cast<const float4*>(x + k);
+        v[j][0] = a.x; v[j][1] = a.y; v[j][2] = a.z; v[j][3] = a.w;
+        if (error != nullptr) {
+          const float4 e = *reinterpret_cast<const float4*>(error + k);
+          v[j][0] = __fsub_rn(a.x, e.x); v[j][1] = __fsub_rn(a.y, e.y);
+          v[j][2] = __fsub_rn(a.z, e.z); v[j][3] = __fsub_rn(a.w, e.w);
+        }
+      } else {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          v[j][e] = k + e < n ? (error != nullptr ? __fsub_rn(x[k + e], error[k + e]) : x[k + e])
+                              : 0.0f;
+        }
+      }
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) m = fmaxf(m, int8_amax_of(v[j][e]));
     }
     for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
-    __syncthreads();
-    for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
     const float scale = int8_scale_from_amax(m);
-    if (threadIdx.x == 0) scales[b] = scale;
-    for (int j = 0; j < kPer; ++j) {
-      const int64_t k = begin + threadIdx.x + j * kThreads;
-      if (k >= n) continue;
-      const signed char q = quantize_int8(v[j], scale);
-      out[k] = q;
-      if (error != nullptr) {
-        const float decoded = __fdiv_rn(static_cast<float>(q), scale);
-        const float d = __fsub_rn(decoded, v[j]);
-        error[k] = fabsf(d) <= 3.40282347e38f ? d : 0.0f;
-        if (decode) x[k] = decoded;
+    if (lane == 0) scales[b] = scale;
+    #pragma unroll
+    for (int j = 0; j < kGroupsPerLane; ++j) {
+      const int64_t k = begin + 4 * (lane + 32 * j);
+      signed char q[4];
+      float decoded[4], d[4];
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        q[e] = quantize_int8(v[j][e], scale);
+        if (error == nullptr) continue;
+        decoded[e] = __fdiv_rn(static_cast<float>(q[e]), scale);
+        const float diff = __fsub_rn(decoded[e], v[j][e]);
+        d[e] = fabsf(diff) <= 3.40282347e38f ? diff : 0.0f;
+      }
+      if (whole) {
+        *reinterpret_cast<char4*>(out + k) = make_char4(q[0], q[1], q[2], q[3]);
+        if (error != nullptr) {
+          *reinterpret_cast<float4*>(error + k) = make_float4(d[0], d[1], d[2], d[3]);
+          if (decode) {
+            *reinterpret_cast<float4*>(x + k) =
+                make_float4(decoded[0], decoded[1], decoded[2], decoded[3]);
+          }
+        }
+        continue;
+      }
+      #pragma unroll
+      for (int e = 0; e < 4 && k + e < n; ++e) {
+        out[k + e] = q[e];
+        if (error != nullptr) {
+          error[k + e] = d[e];
+          if (decode) x[k + e] = decoded[e];
+        }
       }
     }
-    __syncthreads();  // warp_max is written again for the next block
   }
 }
 
-// Division, correctly rounded (int8 scales are not powers of two), then the add: as the reference.
+// Division, correctly rounded (int8 scales are not powers of two), then the add: as the
+// reference. The vector path takes 16 values at a time (one 16-byte load of packed data, four
+// of float32 out); 16 divides kInt8Block, so the 16 share one scale.
 template <bool ADD>
-__global__ void unpack_int8_kernel(const signed char* p, int64_t n, const float* scales,
+__global__ void unpack_int8_kernel(const signed char* p, int64_t n, bool vec, const float* scales,
                                    float* dst) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < n; k += stride) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t start = 0;
+  if (vec) {
+    for (int64_t g = i; g < n / 16; g += stride) {
+      const float scale = scales[g * 16 / kInt8Block];
+      union { int4 word; signed char q[16]; } packed;
+      packed.word = reinterpret_cast<const int4*>(p)[g];
+      float4* d = reinterpret_cast<float4*>(dst) + 4 * g;
+      #pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        float4 v = make_float4(__fdiv_rn(float(packed.q[4 * w]), scale),
+                               __fdiv_rn(float(packed.q[4 * w + 1]), scale),
+                               __fdiv_rn(float(packed.q[4 * w + 2]), scale),
+                               __fdiv_rn(float(packed.q[4 * w + 3]), scale));
+        if (ADD) {
+          const float4 o = d[w];
+          v = make_float4(__fadd_rn(o.x, v.x), __fadd_rn(o.y, v.y), __fadd_rn(o.z, v.z),
+                          __fadd_rn(o.w, v.w));
+        }
+        d[w] = v;
+      }
+    }
+    start = n / 16 * 16;
+  }
+  for (int64_t k = start + i; k < n; k += stride) {
     const float v = __fdiv_rn(static_cast<float>(p[k]), scales[k / kInt8Block]);
     dst[k] = ADD ? __fadd_rn(dst[k], v) : v;
   }
@@ -206,16 +274,18 @@ cudaError_t launch_compress_int8_with_feedback(float* src, int64_t n, signed cha
                                           float* scales, float* error, bool decode,
                                           cudaStream_t stream) {
   const int64_t blocks = int8_blocks(n);
-  compress_int8_kernel<<<grid_for(blocks * kThreads), kThreads, 0, stream>>>(
-      src, n, blocks, scales, packed, error, decode);
+  const bool vec = aligned(src, 16) && aligned(packed, 4) && (error == nullptr || aligned(error, 16));
+  compress_int8_kernel<<<grid_for(blocks * 32), kThreads, 0, stream>>>(
+      src, n, blocks, vec, scales, packed, error, decode);
   return cudaGetLastError();
 }
 
 cudaError_t launch_decompress_int8(const signed char* packed, int64_t n, const float* scales,
                                    float* dst, bool accumulate, cudaStream_t stream) {
-  const int grid = grid_for(n);
-  if (accumulate) unpack_int8_kernel<true><<<grid, kThreads, 0, stream>>>(packed, n, scales, dst);
-  else unpack_int8_kernel<false><<<grid, kThreads, 0, stream>>>(packed, n, scales, dst);
+  const bool vec = aligned(packed, 16) && aligned(dst, 16);
+  const int grid = grid_for(vec ? n / 16 : n);
+  if (accumulate) unpack_int8_kernel<true><<<grid, kThreads, 0, stream>>>(packed, n, vec, scales, dst);
+  else unpack_int8_kernel<false><<<grid, kThreads, 0, stream>>>(packed, n, vec, scales, dst);
   return cudaGetLastError();
 }
 
