@@ -6,6 +6,7 @@ instead of failing the benchmark.
 """
 import copy
 import dataclasses
+import inspect
 import os
 import tempfile
 from typing import Callable, Optional
@@ -222,9 +223,14 @@ def build_configs(workload, names, device, cap_mb, timeline=None, as_view=False,
         if kind == "bare":
             config.model = model
         elif kind == "torch":
+            extra = how[1] if len(how) > 1 else {}
+            missing = [k for k in extra if k not in inspect.signature(TorchDDP).parameters]
+            if missing:  # batched_grad_copy: a keyword newer torch versions have
+                config.absent = f"torch {torch.__version__}'s DDP has no {', '.join(missing)}"
+                configs.append(config)
+                continue
             config.model = TorchDDP(model, device_ids=device_ids, bucket_cap_mb=cap,
-                                    gradient_as_bucket_view=as_view,
-                                    **(how[1] if len(how) > 1 else {}))
+                                    gradient_as_bucket_view=as_view, **extra)
             if how[0] == "powersgd":
                 state = powerSGD_hook.PowerSGDState(
                     process_group=None, matrix_approximation_rank=POWERSGD.rank,

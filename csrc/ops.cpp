@@ -20,12 +20,30 @@ PYBIND11_MODULE(_C, m) {
   minddp::bind_readiness(m);
 }
 
+namespace {
+// at::Tag gained out and inplace after torch 2.11: detect them, so older torch builds the ops
+// without them (there torch.compile cannot functionalize the two aliasing ops; eager is alike).
+template <typename T, typename = void>
+struct HasAliasTags : std::false_type {};
+template <typename T>
+struct HasAliasTags<T, std::void_t<decltype(T::out), decltype(T::inplace)>> : std::true_type {};
+
+template <typename Tag = at::Tag>
+std::vector<at::Tag> aliasing_tags(bool out) {
+  std::vector<at::Tag> tags = {Tag::pt2_compliant_tag};
+  if constexpr (HasAliasTags<Tag>::value) tags.push_back(out ? Tag::out : Tag::inplace);
+  return tags;
+}
+}  // namespace
+
 // pt2_compliant_tag: tests/test_opcheck.py runs torch.library.opcheck on every op (schema,
 // Meta/fake, autograd registration, AOT dispatch with dynamic shapes). The out and inplace
 // tags tell torch.compile's functionalization that the returned Tensor(a!) is the buffer
 // passed in, which it needs to trace an op whose return aliases an argument.
 TORCH_LIBRARY(minddp, m) {
   const std::vector<at::Tag> pt2 = {at::Tag::pt2_compliant_tag};
+  const std::vector<at::Tag> out = aliasing_tags(/*out=*/true);
+  const std::vector<at::Tag> inplace = aliasing_tags(/*out=*/false);
   m.def("compress(Tensor src, ScalarType dtype) -> (Tensor packed, Tensor scale)", pt2);
   // int8 with error feedback: compress src - error, then error = what that changed;
   // with decode, src becomes the decoding (a finished value leaving its owner).
@@ -34,9 +52,9 @@ TORCH_LIBRARY(minddp, m) {
   m.def("decompress(Tensor packed, Tensor scale) -> Tensor", pt2);
   // decode into an existing buffer (a bucket's slice): no temporary, no zeroing.
   m.def("decompress.out(Tensor packed, Tensor scale, *, Tensor(a!) out) -> Tensor(a!)",
-        {at::Tag::out, at::Tag::pt2_compliant_tag});
+        out);
   m.def("decompress_add_(Tensor(a!) dst, Tensor packed, Tensor scale) -> Tensor(a!)",
-        {at::Tag::inplace, at::Tag::pt2_compliant_tag});
+        inplace);
 }
 
 TORCH_LIBRARY_IMPL(minddp, CPU, m) {
