@@ -8,7 +8,7 @@ backward; no optimizer, so the wrapper's share shows), each on its own copy of
 the model:
 
     bare               the module alone: the floor
-    torch_ddp          torch's DDP; torch_ddp_batched with batched_grad_copy=True
+    torch_ddp          torch's DDP; torch_ddp_batched with batched_grad_copy=True (where torch has it)
     torch_ddp_no_sync  torch's DDP under no_sync(): its forward and hooks, nothing reduced
     minddp_no_sync     the same for minddp
     minddp             minddp, --algorithm (default native)
@@ -34,6 +34,7 @@ interval) and the pieces; writes OUT/overhead.json.
 import argparse
 import contextlib
 import copy
+import inspect
 import json
 import os
 import time
@@ -86,14 +87,15 @@ def run(args, rank, world_size, device):
     ids = [device] if device.type == "cuda" else None
     rows = {"bare": copy.deepcopy(base),
             "torch_ddp": TorchDDP(copy.deepcopy(base), device_ids=ids),
-            "torch_ddp_batched": TorchDDP(copy.deepcopy(base), device_ids=ids,
-                                          batched_grad_copy=True),
             "torch_ddp_no_sync": TorchDDP(copy.deepcopy(base), device_ids=ids),
             "minddp_no_sync": minddp.DDP(copy.deepcopy(base), device_ids=ids,
                                          algorithm=args.algorithm),
             "minddp": minddp.DDP(copy.deepcopy(base), device_ids=ids, algorithm=args.algorithm),
             "minddp_timed": minddp.DDP(copy.deepcopy(base), device_ids=ids,
                                        algorithm=args.algorithm)}
+    if "batched_grad_copy" in inspect.signature(TorchDDP).parameters:  # newer torch only
+        rows["torch_ddp_batched"] = TorchDDP(copy.deepcopy(base), device_ids=ids,
+                                             batched_grad_copy=True)
     spent, per_step = {}, []
     _timers(rows["minddp_timed"], spent)
     times = {name: [] for name in rows}

@@ -59,9 +59,7 @@ __global__ void pack_kernel(const float* x, int64_t n, bool vec, const unsigned 
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, start = 0;
   if (vec) {
-    // Back to front: amax_kernel has just read x front to back, so its last tens of MB are
-    // still in L2 (50-60 MB on an H100 or H200) and this pass reads them from there.
-    for (int64_t g = n / 4 - 1 - i; g >= 0; g -= stride) {
+    for (int64_t g = i; g < n / 4; g += stride) {
       float4 v = reinterpret_cast<const float4*>(x)[g];
       Four<T> o;
       store(&o.v[0], __fmul_rn(v.x, scale)); store(&o.v[1], __fmul_rn(v.y, scale));
@@ -185,8 +183,8 @@ __global__ void compress_int8_kernel(float* x, int64_t n, int64_t blocks, bool v
 }
 
 // Division, correctly rounded (int8 scales are not powers of two), then the add: as the
-// reference. The vector path takes 16 values at a time (one 16-byte load of packed data, four
-// of float32 out); 16 divides kInt8Block, so the 16 share one scale.
+// reference. The vector path takes 4 values a thread (a 4-byte load of packed data, a 16-byte
+// access of float32: 512 contiguous bytes a warp); 4 divides kInt8Block, so the 4 share a scale.
 template <bool ADD>
 __global__ void unpack_int8_kernel(const signed char* p, int64_t n, bool vec, const float* scales,
                                    float* dst) {
@@ -194,26 +192,20 @@ __global__ void unpack_int8_kernel(const signed char* p, int64_t n, bool vec, co
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t start = 0;
   if (vec) {
-    for (int64_t g = i; g < n / 16; g += stride) {
-      const float scale = scales[g * 16 / kInt8Block];
-      union { int4 word; signed char q[16]; } packed;
-      packed.word = reinterpret_cast<const int4*>(p)[g];
-      float4* d = reinterpret_cast<float4*>(dst) + 4 * g;
-      #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        float4 v = make_float4(__fdiv_rn(float(packed.q[4 * w]), scale),
-                               __fdiv_rn(float(packed.q[4 * w + 1]), scale),
-                               __fdiv_rn(float(packed.q[4 * w + 2]), scale),
-                               __fdiv_rn(float(packed.q[4 * w + 3]), scale));
-        if (ADD) {
-          const float4 o = d[w];
-          v = make_float4(__fadd_rn(o.x, v.x), __fadd_rn(o.y, v.y), __fadd_rn(o.z, v.z),
-                          __fadd_rn(o.w, v.w));
-        }
-        d[w] = v;
+    for (int64_t g = i; g < n / 4; g += stride) {
+      const char4 q = reinterpret_cast<const char4*>(p)[g];
+      const float scale = scales[g * 4 / kInt8Block];
+      float4 v = make_float4(__fdiv_rn(float(q.x), scale), __fdiv_rn(float(q.y), scale),
+                             __fdiv_rn(float(q.z), scale), __fdiv_rn(float(q.w), scale));
+      float4* d = reinterpret_cast<float4*>(dst) + g;
+      if (ADD) {
+        const float4 o = *d;
+        v = make_float4(__fadd_rn(o.x, v.x), __fadd_rn(o.y, v.y), __fadd_rn(o.z, v.z),
+                        __fadd_rn(o.w, v.w));
       }
+      *d = v;
     }
-    start = n / 16 * 16;
+    start = n / 4 * 4;
   }
   for (int64_t k = start + i; k < n; k += stride) {
     const float v = __fdiv_rn(static_cast<float>(p[k]), scales[k / kInt8Block]);
@@ -282,8 +274,8 @@ cudaError_t launch_compress_int8_with_feedback(float* src, int64_t n, signed cha
 
 cudaError_t launch_decompress_int8(const signed char* packed, int64_t n, const float* scales,
                                    float* dst, bool accumulate, cudaStream_t stream) {
-  const bool vec = aligned(packed, 16) && aligned(dst, 16);
-  const int grid = grid_for(vec ? n / 16 : n);
+  const bool vec = aligned(packed, 4) && aligned(dst, 16);
+  const int grid = grid_for(vec ? n / 4 : n);
   if (accumulate) unpack_int8_kernel<true><<<grid, kThreads, 0, stream>>>(packed, n, vec, scales, dst);
   else unpack_int8_kernel<false><<<grid, kThreads, 0, stream>>>(packed, n, vec, scales, dst);
   return cudaGetLastError();
