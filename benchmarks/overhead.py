@@ -8,7 +8,8 @@ backward; no optimizer, so the wrapper's share shows), each on its own copy of
 the model:
 
     bare               the module alone: the floor
-    torch_ddp          torch's DDP; torch_ddp_batched with batched_grad_copy=True (where torch has it)
+    torch_ddp          torch's DDP; torch_ddp_batched with batched_grad_copy=True
+                       (where this torch has it)
     torch_ddp_no_sync  torch's DDP under no_sync(): its forward and hooks, nothing reduced
     minddp_no_sync     the same for minddp
     minddp             minddp, --algorithm (default native)

@@ -133,14 +133,24 @@ class Codec:
         return tensor.dtype == torch.float32
 
     def encode(self, chunk):
-        """The tensors to send for `chunk`: its encoding, or [chunk] if it is not float32."""
+        """The tensors to send for `chunk`: its encoding, or [chunk] if it is not float32.
+        Each goes out contiguous and on the chunk's device, as send and recv need."""
         if not self.compresses(chunk):
             return [chunk]
-        return list(self._encode(chunk.contiguous()))
+        wire = self._encode(chunk.contiguous())
+        if not isinstance(wire, (tuple, list)) or not all(isinstance(w, torch.Tensor)
+                                                          for w in wire):
+            raise TypeError(f"codec {self.name!r}: encode must return a tuple of tensors, got "
+                            f"{type(wire).__name__}; e.g. `return (values, scale)`")
+        return [w.to(chunk.device).contiguous() for w in wire]
 
     def decoded(self, wire, like):
         """The wire decoded as a tensor shaped like `like`."""
-        return self._decode(tuple(wire)).view_as(like)
+        out = self._decode(tuple(wire))
+        if out.numel() != like.numel():
+            raise ValueError(f"codec {self.name!r}: decode returned {out.numel()} elements for "
+                             f"a chunk of {like.numel()}; it must return as many as encode took")
+        return out.reshape_as(like)
 
     def decode_add_(self, dst, wire):
         """dst += the decoded wire, summed in dst's dtype (fp32 for compressed chunks)."""
@@ -166,13 +176,14 @@ class Codec:
             chunk.copy_(decoded)
         return wire
 
-    def wire_itemsize(self, dtype):
-        """Bytes on the wire per element of a tensor of `dtype`."""
+    def wire_itemsize(self, dtype, device="cpu"):
+        """Bytes on the wire per element of a tensor of `dtype` on `device` (where an
+        encoding is tried: a codec may run on one kind of device only)."""
         if dtype != torch.float32:
             return dtype.itemsize
         if self._itemsize is None:  # sizes depend on the size only: measure once
             n = 1 << 16
-            wire = self.encode(torch.zeros(n))
+            wire = self.encode(torch.zeros(n, device=device))
             self._itemsize = sum(w.nbytes for w in wire) / n
         return self._itemsize
 

@@ -60,7 +60,7 @@ class _IdentityCodec:
         self.calls["decode_"] += 1
         dst.copy_(wire[0])
 
-    def wire_itemsize(self, dtype):
+    def wire_itemsize(self, dtype, device=None):
         return dtype.itemsize
 
 
@@ -77,7 +77,7 @@ class _HalfCodec:
     def decode_(self, dst, wire):
         dst.copy_(wire[0].float() * wire[1])
 
-    def wire_itemsize(self, dtype):
+    def wire_itemsize(self, dtype, device=None):
         return 2
 
 

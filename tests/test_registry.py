@@ -157,3 +157,27 @@ def test_compare_py_rows_for_registered_entries(tmp_path, scratch_registry):
     assert configs.how_to_build("minddp_nonesuch") is None
     with pytest.raises(SystemExit, match="minddp_<algorithm>"):
         configs.check_names(["minddp_nonesuch"])
+
+
+def test_a_function_codec_says_what_it_returned_wrong(scratch_registry):
+    listy = minddp.register_codec("listy", encode=lambda t: t.half(),
+                                  decode=lambda w: w[0].float())
+    with pytest.raises(TypeError, match="tuple of tensors"):
+        listy.encode(torch.ones(4))
+    short = minddp.register_codec("short", encode=lambda t: (t.half(),),
+                                  decode=lambda w: w[0][:-1].float())
+    with pytest.raises(ValueError, match="decode returned 3 elements for a chunk of 4"):
+        short.decode_(torch.ones(4), short.encode(torch.ones(4)))
+
+
+def test_a_function_codec_wire_is_contiguous_and_decodes_any_shape(scratch_registry):
+    # encode returns a transposed (strided) view; decode returns a 2-D tensor
+    codec = minddp.register_codec(
+        "strided", encode=lambda t: (t.reshape(2, -1).t().half(),),
+        decode=lambda w: w[0].t().float())
+    chunk = torch.arange(6.0)
+    wire = codec.encode(chunk)
+    assert all(w.is_contiguous() for w in wire)
+    dst = torch.zeros(6)
+    codec.decode_(dst, wire)
+    assert torch.equal(dst, chunk)

@@ -44,7 +44,7 @@ disagree on what they are doing time out with an error instead of mixing data.
 
 The codec protocol (compression): `encode(chunk) -> list[Tensor]` (the wire),
 `decode_add_(dst, wire)` (dst += decoded), `decode_(dst, wire)` (dst =
-decoded) and `wire_itemsize(dtype)` (bytes per element on the wire, maybe
+decoded) and `wire_itemsize(dtype, device)` (bytes per element on the wire, maybe
 fractional); registry.Codec implements it from two functions.
 Receive buffers take the shapes and dtypes of the codec's own encoding of a
 chunk of the same size (found once per size, then cached).
@@ -198,7 +198,8 @@ class Link:
         self.rank, self.size = rank, size
         self.numel, self.itemsize = flat.numel(), flat.element_size()
         # Segments are sized by what travels: compressed, twice the elements.
-        wire_size = codec.wire_itemsize(flat.dtype) if codec is not None else self.itemsize
+        wire_size = (codec.wire_itemsize(flat.dtype, flat.device) if codec is not None
+                     else self.itemsize)
         self.segment = max(1, self.numel if self.grouped else int(segment_bytes // wire_size))
 
     def segments(self, start, end):

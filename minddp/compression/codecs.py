@@ -40,7 +40,7 @@ class KernelCodec(registry.Codec):
     def _ops(self, tensor):
         return self.kernels or kernels_for(tensor.device)
 
-    def wire_itemsize(self, dtype):
+    def wire_itemsize(self, dtype, device="cpu"):
         return self.dtype.itemsize if dtype == torch.float32 else dtype.itemsize
 
     def encode(self, chunk):
