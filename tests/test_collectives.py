@@ -153,7 +153,8 @@ def _grid(rank, world_size):
     sizes = [0, 1, max(world_size - 1, 1), 2 * world_size + 1, 1000]
     for algorithm in OURS + ["auto"]:
         _check_sums(rank, world_size, algorithm, sizes, DTYPES)
-        _check_sums(rank, world_size, algorithm, [(1 << 20) + 3], [torch.float32])
+        if world_size <= 4:  # many segments per chunk; larger worlds run them on tiny segments
+            _check_sums(rank, world_size, algorithm, [(1 << 20) + 3], [torch.float32])
     digests = {}
     generator = torch.Generator().manual_seed(rank)
     noise = torch.randn(4099, generator=generator)
@@ -226,7 +227,9 @@ def _check_pattern(world_size, patterns):
                 f"went on the {'group' if on_group else 'reverse lane'}")
 
 
-@pytest.mark.parametrize("world_size", range(1, 9))
+# 1 to 6 ranks, and 8: halving-doubling with one, two and no extra ranks over a power of
+# two (3, 5: one; 6: two; 8: none, three rounds). 7 (three extra) added nothing 6 does not.
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6, 8])
 def test_every_size_dtype_and_pattern(world_size):
     results = run_world(_grid, world_size, timeout=150)
     for key, digest in results[0]["digests"].items():
