@@ -81,6 +81,9 @@ class AlgorithmReduction:
         self.engine, self.collective, self.timeline = engine, collective, timeline
         self.name = name  # for error messages: "algorithm 'ring'"
         self.carries_stamp = exact  # not with a lossy codec
+        # A sum over one rank is the bucket itself: no collective to launch (on one NCCL GPU
+        # a kernel and its bookkeeping per bucket). A codec's rounding still applies.
+        self.alone = exact and dist.get_world_size(engine.group) == 1
 
     def setup(self, buckets, provisional=False):
         buffers = [b.carrier if b.carrier is not None else b.buffer for b in dense(buckets)]
@@ -90,6 +93,10 @@ class AlgorithmReduction:
         if is_sparse(bucket):
             return launch_sparse(self.engine, bucket, self.timeline)
         tensor = bucket._to_sum()  # the step check's slots too, where bucket 0 has them
+        if self.alone:
+            fut = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
+            fut.set_result(tensor)
+            return fut
         return self.engine.submit(self.collective, tensor, label=f"comm b{bucket.index()}",
                                   device=tensor.device, timeline=self.timeline)
 

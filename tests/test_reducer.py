@@ -193,3 +193,33 @@ def test_reducer_asserts_its_ordering_invariants():
     assert refill.startswith("minddp internal error") and "fill once" in refill, refill
     assert recollect.startswith("minddp internal error") and "waited once" in recollect
     assert relayout.startswith("minddp internal error") and "layout" in relayout, relayout
+
+
+def _one_rank_collective_calls(rank, world_size, compression):
+    """How many times a one-rank wrapper called its algorithm in a step, and whether its
+    gradients are the module's own (a sum over one rank is the bucket itself)."""
+    from minddp import registry
+    calls = []
+    ring = registry.algorithm("ring")
+    minddp.register_algorithm(
+        "counted_one_rank", lambda t, group=None, codec=None, error=None:
+        calls.append(t.numel()) or ring.all_reduce(t, group, codec=codec, error=error),
+        per_hop=True, auto=False)
+    try:  # the worker lives on: the name must not leak into other tests' registry
+        torch.manual_seed(0)
+        model = DeepNet()
+        ours = minddp.DDP(copy.deepcopy(model), algorithm="counted_one_rank",
+                          compression=compression)
+    finally:
+        del registry._algorithms["counted_one_rank"]
+    (x,) = batch("deep", rank, 0)
+    ours(x).square().sum().backward()
+    model(x).square().sum().backward()
+    same = all(torch.equal(a.grad, b.grad) for a, b in zip(ours.parameters(), model.parameters()))
+    return len(calls), same
+
+
+def test_one_rank_launches_no_collective_unless_a_codec_rounds():
+    assert run_world(_one_rank_collective_calls, 1, None) == [(0, True)]
+    calls, _ = run_world(_one_rank_collective_calls, 1, "fp16")[0]
+    assert calls > 0, "fp16 must still round on one rank"
