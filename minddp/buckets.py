@@ -28,6 +28,9 @@ from typing import Optional
 import torch
 
 FIRST_BUCKET_BYTES = 1024 * 1024
+# Gradients of at least this many elements are scaled as they are copied into the bucket,
+# a call each (see Bucket.copy_scaled); smaller ones share one _foreach copy and one scale.
+SCALED_COPY_ELEMENTS = 1 << 14  # 64 KiB of float32: past the caches' cheap second pass
 STAMP = 3  # slots behind bucket 0's buffer for the reducer's step check
 
 
@@ -47,6 +50,28 @@ class Bucket:
         # Made once, as torch's bucket views are: slicing anew in every
         # gradient hook costs more than the copy into the slot on a small layer.
         self.views = [] if self.sparse else self._slices(self.buffer)
+        large = [p.numel() >= SCALED_COPY_ELEMENTS for p in self.params]
+        self._large = [i for i, big in enumerate(large) if big]
+        self._small = [i for i, big in enumerate(large) if not big]
+        self._small_views = [self.views[i] for i in self._small]
+
+    def copy_scaled(self, grads, scale):
+        """views[i] = grads[i] * scale for every slot, as torch's reducer fills a bucket
+        (it scales while it copies). One _foreach copy and a scale of the whole buffer
+        read and write the bucket twice: on the CPU, for a large gradient, a pass over
+        memory costs more than a call of its own (2-3 us), so large gradients get one
+        fused call each and only the small ones the two passes. On CUDA a second pass
+        costs less than a kernel launch per tensor: the _foreach path always. Same bits
+        either way (a float32 product by the same scalar)."""
+        if self.buffer.is_cuda or not self._large:
+            torch._foreach_copy_(self.views, grads)
+            self.buffer.mul_(scale)
+            return
+        for i in self._large:
+            torch.mul(grads[i], scale, out=self.views[i])
+        if self._small:
+            torch._foreach_copy_(self._small_views, [grads[i] for i in self._small])
+            torch._foreach_mul_(self._small_views, scale)
 
     def view(self, i):
         """Parameter i's slice of the buffer, shaped like the parameter."""

@@ -290,9 +290,10 @@ class Reducer:
         grads = [param.grad for param in bucket.params]
         if not self.as_view and all(g is not None and not g.is_sparse and not g.requires_grad
                                     for g in grads):  # the usual step: one copy, one scale
-            torch._foreach_copy_(bucket.views, grads)
             if self.reduction.prescaled and self.divisor != 1:
-                bucket.buffer.mul_(1.0 / self.divisor)
+                bucket.copy_scaled(grads, 1.0 / self.divisor)
+            else:
+                torch._foreach_copy_(bucket.views, grads)
             return
         copied, grads, in_place, zeros, adopt = [], [], [], [], []
         for slot, param in enumerate(bucket.params):
