@@ -15,22 +15,23 @@ formula), the slowdown a reduction causes to computation beside it
 (overlap.measure_link) and, where the caller knows it, the measured step time.
 
 The model, per rank, medians over the iterations after the first WARMUP:
-  1. Undisturbed ready times. A reduction beside backward slowed it by the
-     measured slowdown s for as long as it ran, so a bucket seen ready at m was
-     ready at m - s * (reduction time beside backward before m) in a backward
-     left alone. Within a bucket, its parameters are taken as ready in
-     proportion to their bytes since the bucket ready before it.
-  2. Another layout: torch's rule (buckets.assign) at another cap, or the plan
+  1. Ready times and backward as measured. Within a bucket, its parameters
+     are taken as ready in proportion to their bytes since the bucket ready
+     before it (a run with small buckets, 1 MiB, gives the finest picture).
+  2. A layout: torch's rule (buckets.assign) at a cap, or the plan
      bucket_cap_mb="auto" would make (overlap.plan) for the predicted link.
   3. Each bucket's reduction on the target link: the algorithm's registered
      cost formula (cost_model.predict) with the link's latency added to each
      step and its time per byte added to each byte sent (`over_link`). Only the
-     part the loopback run measured takes cores: the slowdown of a reduction
-     is s times its loopback share (waiting on a wire takes none).
+     part the measured run's link costs takes cores: the slowdown of a
+     reduction is s times that share (waiting on a wire takes none).
   4. overlap.simulate_each: buckets one at a time, in order, each once it is
-     ready and the one before is done; backward slowed while they run.
-  5. Step = measured step - measured (backward + exposed) + predicted
-     (backward + exposed): forward, optimizer and the rest are kept as measured.
+     ready and the one before is done; backward slowed while they run. Its
+     end is when backward and the last reduction are over.
+  5. Step = measured step + end(target) - end(the measured layout on the
+     measured link): forward, optimizer, the wrapper's copies and whatever
+     else the step held stay as measured, and the model's errors for the
+     measured run itself cancel (predicting it gives the measured step).
 A compression's wire ratio scales the bytes each bucket sends; its encoding
 time is not modelled. How far the predictions hold: docs/performance.md.
 """
@@ -81,10 +82,9 @@ class Run:
     """What one measured run says, all ranks combined (microseconds from backward start)."""
     sizes: list        # bytes per parameter, registration order
     dtypes: list
-    ready: list        # undisturbed ready time per parameter (the latest rank's)
-    backward: float    # undisturbed backward duration
+    ready: list        # ready time per parameter (the latest rank's)
+    backward: float    # backward duration (the longest rank's)
     step: float        # measured step
-    busy: float        # measured backward + exposed communication
     costs: cost_model.Costs
     slowdown: float
     world_size: int
@@ -98,43 +98,34 @@ def from_traces(traces):
         raise ValueError("a trace has no link figures: call minddp.whatif.annotate(ddp) on "
                          "every rank after training (compare.py --timeline does)")
     slowdown = max(m["slowdown"] for m in metas)  # the ranks plan with the slowest (overlap)
-    per_rank = [_rank_figures(trace["traceEvents"], meta, slowdown)
-                for trace, meta in zip(traces, metas)]
+    per_rank = [_rank_figures(trace["traceEvents"], meta) for trace, meta in zip(traces, metas)]
     meta = metas[0]
     sizes = [n for n, _ in meta["params"]]
     ready = [max(r["ready"][i] for r in per_rank) for i in range(len(sizes))]
-    busy = max(r["busy"] for r in per_rank)
     step = meta.get("step_ms")
     step = step * 1e3 if step is not None else max(r["period"] for r in per_rank)
     return Run(sizes, [d for _, d in meta["params"]], ready,
-               max(r["backward"] for r in per_rank), step, busy,
+               max(r["backward"] for r in per_rank), step,
                cost_model.Costs(**meta["costs"]), slowdown, meta["world_size"],
                meta["buckets"])
 
 
-def _rank_figures(events, meta, s):
-    """One rank's medians: undisturbed per-parameter ready times, backward, backward +
-    exposed communication, the period between backwards; `s`: the slowdown."""
+def _rank_figures(events, meta):
+    """One rank's medians: per-parameter ready times and backward, and the period
+    between backwards (the step, where the trace does not say)."""
     backwards = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "backward")
-    comms = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith("comm b"))
-    finals = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "finalize")
     readies = [(e["ts"], int(e["name"][len("ready b"):])) for e in events
                if re.match(r"ready b\d+$", e["name"])]
     nb = len(meta["buckets"])
-    per_bucket, backward, busy = [[] for _ in range(nb)], [], []
+    per_bucket, backward = [[] for _ in range(nb)], []
     for k, (start, end) in enumerate(backwards):
         if k < WARMUP or k + 1 >= len(backwards) and len(backwards) > WARMUP + 1:
             continue  # the last one may have been cut short by the run's end
-        after = finals[k][1] if k < len(finals) else end
-        mine = [(a, b) for a, b in comms if start <= a < after]
-
-        def undisturbed(t):  # t less the slowdown the reductions caused before it
-            return t - start - s * sum(max(0.0, min(b, t, end) - max(a, start)) for a, b in mine)
-        backward.append(undisturbed(end))
-        busy.append(max([end] + [b for _, b in mine]) - start)
+        backward.append(end - start)
+        until = backwards[k + 1][0] if k + 1 < len(backwards) else float("inf")
         for ts, b in readies:
-            if start <= ts <= after and b < nb:
-                per_bucket[b].append(undisturbed(ts))
+            if start <= ts < until and b < nb:
+                per_bucket[b].append(ts - start)
     if not backward:
         raise ValueError(f"the trace holds {len(backwards)} backwards: record more than "
                          f"{WARMUP + 1}")
@@ -151,8 +142,7 @@ def _rank_figures(events, meta, s):
     starts = [a for a, _ in backwards]
     periods = [b - a for a, b in zip(starts[WARMUP:], starts[WARMUP + 1:])]
     return {"ready": ready, "backward": statistics.median(backward),
-            "busy": statistics.median(busy),
-            "period": statistics.median(periods) if periods else statistics.median(busy)}
+            "period": statistics.median(periods) if periods else statistics.median(backward)}
 
 
 def parse_rate(text):
@@ -207,26 +197,34 @@ def _dtype(name):
 
 def predict(run, cap, algorithm, link=Link(), world_size=None, ratio=1.0):
     """{"step_ms", "exposed_ms", "comm_ms", "buckets"} for one setting; None where
-    `algorithm` has no cost formula."""
+    `algorithm` has no cost formula. exposed: the model's time from the end of an
+    undisturbed backward to the end of the last reduction, slowdown included."""
     p = world_size or run.world_size
     target = over_link(run.costs, link, p)
 
     def costs(nbytes):  # (microseconds, slowdown) of one bucket's reduction
         total = cost_model.predict(algorithm, nbytes * ratio, p, target)
         cpu = cost_model.predict(algorithm, nbytes * ratio, p, run.costs)
-        if total is None:
-            return None
         return total * 1e6, run.slowdown * min(1.0, cpu / total) if total > 0 else 0.0
-    if costs(1 << 20) is None:
+    if cost_model.predict(algorithm, 1 << 20, p, target) is None:
         return None
     chosen = layout(run, cap, lambda n: (costs(n)[0] / 1e6, costs(n)[1]))
+    end, comm = _end(run, chosen, costs)
+    measured, _ = _end(run, run.layout, lambda n: (
+        cost_model.predict(algorithm, n, run.world_size, run.costs) * 1e6, run.slowdown))
+    return {"step_ms": (run.step + end - measured) / 1e3,
+            "exposed_ms": (end - run.backward) / 1e3, "comm_ms": comm / 1e3,
+            "buckets": len(chosen)}
+
+
+def _end(run, chosen, costs):
+    """(when backward and the reductions of layout `chosen` are over, their summed
+    time), microseconds, with `costs(nbytes) -> (microseconds, slowdown)`."""
     ready = [max(run.ready[i] for i in b) for b in chosen]
     each = [costs(sum(run.sizes[i] for i in b)) for b in chosen]
     _, end = overlap.simulate_each(ready, [t for t, _ in each], run.backward,
                                    [s for _, s in each])
-    step = run.step - run.busy + end
-    return {"step_ms": step / 1e3, "exposed_ms": (end - run.backward) / 1e3,
-            "comm_ms": sum(t for t, _ in each) / 1e3, "buckets": len(chosen)}
+    return end, sum(t for t, _ in each)
 
 
 def table(run, caps=LAYOUTS, algorithms=None, link=Link(), world_size=None, ratio=1.0):
@@ -248,7 +246,7 @@ def describe(rows, run, link, world_size=None, ratio=1.0):
              else f"{link.bandwidth * 8 / 1e9:g} Gbit/s") + f", {link.latency * 1e6:g} us latency"
     lines = [f"what if: {world_size or run.world_size} ranks, {where}, wire ratio {ratio:g} "
              f"(measured: {run.world_size} ranks, step {run.step / 1e3:.1f} ms, backward "
-             f"{run.backward / 1e3:.1f} ms undisturbed, slowdown {run.slowdown:.2f})",
+             f"{run.backward / 1e3:.1f} ms, slowdown {run.slowdown:.2f})",
              f"{'algorithm':<18}{'cap MiB':>9}{'buckets':>9}{'step ms':>10}{'exposed ms':>12}"
              f"{'comm ms':>10}"]
     for r in rows:
