@@ -55,7 +55,9 @@ def compare(run, measured, latency_us=0.0, reference_floor=None):
                         "cap": got and str(cap), "buckets": got["buckets"],
                         "predicted_ms": got["step_ms"], "measured_ms": row["step_ms"],
                         "error": got["step_ms"] / row["step_ms"] - 1,
-                        "predicted_exposed_ms": got["exposed_ms"],
+                        # as compare.py measures it: step - no_comm (the measured run's)
+                        "predicted_exposed_ms": got["step_ms"] - reference_floor
+                        if reference_floor is not None else got["exposed_ms"],
                         "measured_exposed_ms": row.get("exposed_comm_ms"),
                         "drift_ms": drift,
                         "drift_error": None if drift is None else
@@ -82,6 +84,19 @@ def describe(rows):
     return "\n".join(lines)
 
 
+def markdown(rows):
+    """The table for docs/performance.md."""
+    lines = ["| link | row | buckets | predicted ms | measured ms | error | drift ms | error "
+             "less drift | predicted exposed ms | measured exposed ms |", "|---" * 10 + "|"]
+    for r in rows:
+        lines.append(f"| {r['rate']} | {r['name']} | {r['buckets']} | {r['predicted_ms']:.1f} | "
+                     f"{r['measured_ms']:.1f} | {r['error']:+.1%} | "
+                     f"{_maybe(r['drift_ms'], '+.0f')} | {_maybe(r['drift_error'], '+.1%')} | "
+                     f"{r['predicted_exposed_ms']:.1f} | "
+                     f"{_maybe(r['measured_exposed_ms'], '.1f')} |")
+    return "\n".join(lines)
+
+
 def _maybe(value, spec):
     return "-" if value is None else format(value, spec)
 
@@ -96,6 +111,7 @@ def main(argv=None):
                    help="the measured run's compare.json: its no_comm row gives the machine's "
                         "speed then, for the drift-corrected error")
     p.add_argument("--out", help="also write the rows as JSON")
+    p.add_argument("--markdown", action="store_true", help="print a Markdown table instead")
     args = p.parse_args(argv)
     traces = []
     for path in args.traces:
@@ -111,7 +127,7 @@ def main(argv=None):
         with open(args.reference) as f:
             reference = floor(json.load(f)["rows"])
     rows = compare(whatif.from_traces(traces), measured, args.latency_us, reference)
-    print(describe(rows))
+    print(markdown(rows) if args.markdown else describe(rows))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
