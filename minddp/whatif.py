@@ -1,7 +1,7 @@
 """What if: step time and exposed communication under other settings, from one run's trace.
 
     ddp = minddp.DDP(model, timeline="run/trace")   # train a few dozen steps, then, on every rank:
-    minddp.whatif.annotate(ddp)                     # measures the link; saves the trace
+    from minddp import whatif; whatif.annotate(ddp) # measures the link; saves the trace
     python -m minddp.diagnose run/trace.rank*.json --what-if --bandwidth 1gbit [--latency-us 50]
         [--caps 1,4,25,planned] [--algorithms ring,native] [--world-size 4] [--ratio 0.5]
         [--json] [--plot whatif.png]
@@ -33,7 +33,8 @@ The model, per rank, medians over the iterations after the first WARMUP:
      else the step held stay as measured, and the model's errors for the
      measured run itself cancel (predicting it gives the measured step).
 A compression's wire ratio scales the bytes each bucket sends; its encoding
-time is not modelled. How far the predictions hold: docs/performance.md.
+time is not modelled, and the measured run is taken to be uncompressed. How
+far the predictions hold: docs/performance.md.
 """
 import dataclasses
 import functools
@@ -47,9 +48,11 @@ from minddp.algorithms import cost_model, native
 
 WARMUP = 3  # iterations left out: the first ones warm caches and the plan's probes
 LAYOUTS = ("1", "4", "25", "planned")  # "25" is torch's layout (a 1 MiB first bucket)
-# Bytes a backend's own all-reduce sends per byte reduced: gloo and NCCL run a ring
-# on large messages, 2 (p - 1) / p; cost formulas name this per algorithm otherwise.
+
+
 def native_wire(p):
+    """Bytes a backend's own all-reduce sends per byte reduced over p ranks: gloo and
+    NCCL run a ring on large messages (the other algorithms' formulas say it themselves)."""
     return 2 * (p - 1) / p
 
 
@@ -58,6 +61,9 @@ def annotate(ddp, step_ms=None):
     `ddp.timeline` (then saved). A collective: every rank of the wrapper's group calls
     it, after training, with no backward running. `step_ms`: the measured median step."""
     engine, reducer = ddp.engine, ddp.reducer
+    if not cost_model.can_measure(engine.group):
+        raise ValueError("minddp.whatif.annotate: the cost model calibrates on send/recv, "
+                         "which this process group's backend cannot run (use gloo or NCCL)")
     costs = engine.run(cost_model.measure, engine.group, label="link")
     run = getattr(reducer.reduction, "collective", None)
     run = run if run is not None else functools.partial(native.all_reduce, group=engine.group)
