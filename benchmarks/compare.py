@@ -82,8 +82,9 @@ def parse_args(argv=None):
     p.add_argument("--scaling", action="store_true",
                    help="run with plain python: world sizes 1, 2, 4 via scaling.py")
     p.add_argument("--timeline", action="store_true",
-                   help="record Chrome traces of the minddp rows (results/trace.*.json) and "
-                        "report the overlap they show")
+                   help="record Chrome traces of the minddp rows (results/trace.*.json), with "
+                        "the link figures python -m minddp.diagnose --what-if needs (a few "
+                        "seconds per row, after its steps), and report the overlap they show")
     return p.parse_args(argv)
 
 
