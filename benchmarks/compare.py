@@ -41,6 +41,7 @@ from benchmarks.measure import (Progress, format_interval, format_table, median,
                                 slowest_rank, timed)
 from benchmarks.plots import plot_compare
 from benchmarks.workloads import WORKLOADS
+from minddp import whatif
 from minddp.timeline import hidden_share
 
 COLUMNS = [("workload", "workload", "{}"), ("name", "config", "{}"),
@@ -81,8 +82,9 @@ def parse_args(argv=None):
     p.add_argument("--scaling", action="store_true",
                    help="run with plain python: world sizes 1, 2, 4 via scaling.py")
     p.add_argument("--timeline", action="store_true",
-                   help="record Chrome traces of the minddp rows (results/trace.*.json) and "
-                        "report the overlap they show")
+                   help="record Chrome traces of the minddp rows (results/trace.*.json), with "
+                        "the link figures python -m minddp.diagnose --what-if needs (a few "
+                        "seconds per row, after its steps), and report the overlap they show")
     return p.parse_args(argv)
 
 
@@ -127,17 +129,20 @@ def run_workload(workload, args, rank, world_size, device, names):
         if config.absent is None:
             row.update(summarise(config, steps, comm, world_size * batch_size, device))
             row["peak_mem_mb"] = mem[config.name] if device.type == "cuda" else peak_rss_mb()
-            row.update(trace_figures(config, args.warmup))
+            row.update(trace_figures(config, args.warmup, row["step_ms"]))
         rows.append(row)
     return rows
 
 
-def trace_figures(config, warmup):
-    """Write the row's trace (if recording) and read the overlap back from it,
-    skipping the warm-up steps."""
+def trace_figures(config, warmup, step_ms):
+    """Write the row's trace (if recording), with the link figures and step time
+    `python -m minddp.diagnose --what-if` predicts from (whatif.annotate, a
+    collective: every rank comes here for the same rows), and read the overlap
+    back from it, skipping the warm-up steps."""
     timeline = getattr(config.model, "timeline", None)
     if timeline is None:
         return {}
+    whatif.annotate(config.model, step_ms)
     backward = sorted(e["ts"] for e in timeline.events if e["name"] == "backward")
     since = backward[warmup] if len(backward) > warmup else 0.0
     measured = [e for e in timeline.events if e["ts"] >= since]

@@ -23,6 +23,8 @@ import re
 import statistics
 import sys
 
+from minddp import whatif
+
 READY = re.compile(r"ready b(\d+)$")
 
 
@@ -146,7 +148,10 @@ def main(argv=None):
     p.add_argument("--noise-ms", type=float, default=2.0,
                    help="a rank holding a bucket back by less is not blamed (default 2)")
     p.add_argument("--merged", metavar="OUT", help="also write one Chrome trace of all ranks")
+    whatif.add_arguments(p)
     args = p.parse_args(argv)
+    if args.what_if:
+        return whatif.main(args)
     ranks = load(args.traces)
     report = attribute(ranks, args.noise_ms)
     if args.merged:

@@ -211,17 +211,23 @@ def simulate(ready, nbytes, backward_end, alpha, beta, slowdown):
     once it is ready and the one before is done. While a reduction runs beside
     backward, backward goes at (1 - slowdown) of its speed, which delays it and
     every gradient after it."""
+    return simulate_each(ready, [alpha + beta * b for b in nbytes], backward_end,
+                         [slowdown] * len(ready))
+
+
+def simulate_each(ready, took, backward_end, slowdowns):
+    """`simulate` with each bucket's own reduction time and slowdown (whatif.py:
+    a reduction that waits on a slow wire takes fewer cores than one over loopback)."""
     delay, free, done = 0.0, 0.0, []
-    for r, b in zip(ready, nbytes):
+    for r, t, slowdown in zip(ready, took, slowdowns):
         start = max(r + delay, free)
-        took = alpha + beta * b
         left = backward_end + delay - start  # backward still to run, undisturbed
         if left > 0 and slowdown > 0:
-            if slowdown >= 1 or (1 - slowdown) * took < left:
-                delay += slowdown * took  # beside backward all along
+            if slowdown >= 1 or (1 - slowdown) * t < left:
+                delay += slowdown * t  # beside backward all along
             else:
                 delay += left * slowdown / (1 - slowdown)  # backward ends first
-        free = start + took
+        free = start + t
         done.append(free)
     return done, max(free, backward_end + delay)
 

@@ -48,6 +48,7 @@ class Timeline:
         self.events = []
         self.offset_us = 0.0  # rank 0's clock minus this rank's (align())
         self.offset_error_us = None  # half the shortest round trip: the offset's bound
+        self.meta = {}  # more "otherData" for readers of the file (whatif.annotate)
         self._lock = threading.Lock()  # spans arrive from the training and comm threads
         if self.path:
             atexit.register(self.save)
@@ -70,7 +71,8 @@ class Timeline:
         with self._lock, open(self.path, "w") as f:
             json.dump({"traceEvents": self.events, "displayTimeUnit": "ms",
                        "otherData": {"rank": self.rank, "clock_offset_us": self.offset_us,
-                                     "clock_offset_error_us": self.offset_error_us}}, f)
+                                     "clock_offset_error_us": self.offset_error_us,
+                                     **self.meta}}, f)
         return self.path
 
 
