@@ -14,6 +14,11 @@ any bucket back, counted only above the noise (--noise-ms, default 2 ms, plus
 the clocks' alignment error). A rank is blamed where that happened in at
 least 3/4 of the iterations and more often than chance would make one of p
 ranks the last (binomial, p < 0.05): a busy machine delays ranks at random.
+
+Then the links (links.py), where minddp's own algorithms ran on gloo: per
+directed link, its rate against the others', its messages' time on the wire
+against their receiver's wait for the sender to post (a slow link, not a
+late rank), and the link that ran below half the others' rate in most calls.
 """
 import argparse
 import collections
@@ -22,6 +27,8 @@ import math
 import re
 import statistics
 import sys
+
+from minddp import links
 
 READY = re.compile(r"ready b(\d+)$")
 
@@ -114,12 +121,15 @@ def describe(report):
                   f"per iteration" for r in report["blamed"]]
     else:
         lines.append("=> no rank held the others back above the noise")
+    if "links" in report:
+        lines += links.describe(report["links"])
     return "\n".join(lines)
 
 
 def merged_trace(ranks, report, out):
     """One Chrome trace, every rank on rank 0's clock, with a "waited for rank R" mark on
-    each rank where an iteration's culprit held it back."""
+    each rank where an iteration's culprit held it back, and each hop's wait and wire
+    time on its receiver (links.trace_events)."""
     events = []
     for offset, _, evs in ranks.values():
         events += [dict(e, ts=e["ts"] + offset) for e in evs]
@@ -133,6 +143,7 @@ def merged_trace(ranks, report, out):
                 events.append({"name": f"waited for rank {culprit['rank']}", "ph": "X",
                                "ts": t, "dur": times[culprit["rank"]] - t, "pid": rank,
                                "tid": "waits", "args": {"iteration": it, "bucket": bucket}})
+    events += links.trace_events(ranks)  # who waited for whom, per hop
     with open(out, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
     return out
@@ -149,6 +160,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     ranks = load(args.traces)
     report = attribute(ranks, args.noise_ms)
+    report["links"] = links.analyse(ranks, report["noise_ms"] * 1e3)
     if args.merged:
         merged_trace(ranks, report, args.merged)
     print(json.dumps(report, indent=1) if args.json else describe(report))

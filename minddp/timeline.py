@@ -12,6 +12,8 @@ iteration:
     comm b<i>     bucket i's all-reduce, from when the communication thread
                   starts it to when its result is there (thread "comm")
     finalize      waiting for the buckets and writing .grad
+    send to <r>,  each message of minddp's own algorithms on gloo, from its
+    recv from <r> posting to its wait's end (thread "hops"; hops.py)
 
 `hidden_share` reads the overlap back: how much of the communication ran
 while backward was still computing. The same spans are labelled for
@@ -49,6 +51,7 @@ class Timeline:
         self.offset_us = 0.0  # rank 0's clock minus this rank's (align())
         self.offset_error_us = None  # half the shortest round trip: the offset's bound
         self._lock = threading.Lock()  # spans arrive from the training and comm threads
+        self.calls = 0  # point-to-point all-reduces run for it so far (hops.py numbers them)
         if self.path:
             atexit.register(self.save)
 
@@ -62,6 +65,11 @@ class Timeline:
         with self._lock:
             self.events.append({"name": name, "ph": "i", "s": "t", "ts": now_us(),
                                 "pid": self.rank, "tid": thread, "args": args})
+
+    def add(self, events):
+        """Append ready-made trace events (hops.py's, one call at a time)."""
+        with self._lock:
+            self.events.extend(events)
 
     def save(self):
         if self.path is None:
