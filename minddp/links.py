@@ -18,6 +18,10 @@ at least 3/4 of the recorded calls and lost more than the noise in them
 over those calls): a busy machine slows links at random, one call at a time.
 When every outgoing link of one rank is blamed (it has two or more), the
 report names its outgoing links, as a slow network card would; incoming alike.
+Where two or more links are blamed and all touch one rank, it names that rank:
+a node whose outgoing link is slow also slows the TCP stream into it (its
+acknowledgements queue behind its data), so in a ring the link into it reads
+slow too, though less so than its own.
 """
 import collections
 import statistics
@@ -126,7 +130,10 @@ def analyse(ranks, noise_us):
 
 
 def _nodes(report):
-    """[(rank, "outgoing" | "incoming")] whose every link (two or more) is blamed."""
+    """[(rank, side)]: "outgoing" ("incoming") where every link from (to) a rank, two or
+    more, is blamed; else "every" where two or more links are blamed and all touch one
+    rank (a slow node in a ring: its own link, and the one into it, whose TCP
+    acknowledgements queue behind its outgoing data)."""
     blamed = {tuple(link) for link in report["blamed"]}
     found = []
     for side, end in (("outgoing", "src"), ("incoming", "dst")):
@@ -135,6 +142,8 @@ def _nodes(report):
             ends[row[end]].append((row["src"], row["dst"]) in blamed)
         found += [[rank, side] for rank, flags in sorted(ends.items())
                   if len(flags) >= 2 and all(flags)]
+    if not found and len(blamed) >= 2:
+        found += [[rank, "every"] for rank in sorted(set.intersection(*map(set, blamed)))]
     return found
 
 
@@ -155,16 +164,21 @@ def describe(report):
                      f"{row['waited_ms']:.1f} ms per call")
     by_node = {(rank, side) for rank, side in report["nodes"]}
     for rank, side in report["nodes"]:
+        if side == "every":
+            lines.append(f"=> every slow link touches rank {rank}: look at rank {rank}'s node "
+                         f"and its network link")
+            continue
         rows = [r for r in report["per_link"].values() if r["src" if side == "outgoing"
                                                            else "dst"] == rank]
         ratio = statistics.median(r["ratio"] for r in rows)
         lines.append(f"=> rank {rank}'s {side} links ran at {ratio:.2f} of the others' rate")
-    for src, dst in report["blamed"]:
-        if (src, "outgoing") in by_node or (dst, "incoming") in by_node:
+    rows = sorted((report["per_link"][f"{src}->{dst}"] for src, dst in report["blamed"]),
+                  key=lambda row: row["ratio"])
+    for row in rows:  # the slowest first
+        if (row["src"], "outgoing") in by_node or (row["dst"], "incoming") in by_node:
             continue
-        row = report["per_link"][f"{src}->{dst}"]
-        lines.append(f"=> the link {src} -> {dst} ran at {row['ratio']:.2f} of the others' "
-                     f"rate: {row['lost_ms']:.1f} ms lost per call")
+        lines.append(f"=> the link {row['src']} -> {row['dst']} ran at {row['ratio']:.2f} of "
+                     f"the others' rate: {row['lost_ms']:.1f} ms lost per call")
     if not report["blamed"]:
         lines.append("=> no link ran below the others' rate consistently")
     return lines

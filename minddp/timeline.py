@@ -52,6 +52,7 @@ class Timeline:
         self.offset_error_us = None  # half the shortest round trip: the offset's bound
         self._lock = threading.Lock()  # spans arrive from the training and comm threads
         self.calls = 0  # point-to-point all-reduces run for it so far (hops.py numbers them)
+        self._later = []  # add_later's functions, not yet called
         if self.path:
             atexit.register(self.save)
 
@@ -66,15 +67,20 @@ class Timeline:
             self.events.append({"name": name, "ph": "i", "s": "t", "ts": now_us(),
                                 "pid": self.rank, "tid": thread, "args": args})
 
-    def add(self, events):
-        """Append ready-made trace events (hops.py's, one call at a time)."""
+    def add_later(self, make_events):
+        """Have `make_events()` (a list of trace events) added at save: hops.py's records
+        are formatted then, off the communication thread's path."""
         with self._lock:
-            self.events.extend(events)
+            self._later.append(make_events)
 
     def save(self):
         if self.path is None:
             return None
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with self._lock:
+            for make_events in self._later:
+                self.events.extend(make_events())
+            self._later.clear()
         with self._lock, open(self.path, "w") as f:
             json.dump({"traceEvents": self.events, "displayTimeUnit": "ms",
                        "otherData": {"rank": self.rank, "clock_offset_us": self.offset_us,

@@ -144,11 +144,13 @@ def test_queued_messages_count_the_link_time_once():
     assert row == {"bytes": 3000, "busy_us": 25.0, "waited_us": 30.0}
 
 
-def _uniform_call(call, slow=None, base_us=1e3):
-    """A ring of 4, each link 1 MB in `base_us`; `slow` takes ten times as long."""
+def _uniform_call(call, slow=None, base_us=1e3, factors=None):
+    """A ring of 4, each link 1 MB in `base_us`; `slow` takes ten times as long, or
+    the link from rank r `factors[r]` times."""
+    factors = factors or {slow: 10.0}
     events = []
     for src in range(4):
-        wire = base_us * (10.0 if src == slow else 1.0)
+        wire = base_us * factors.get(src, 1.0)
         events += _hop(call, src, (src + 1) % 4, sent=0.0, posted=0.0, done=wire, nbytes=2**20)
     return events
 
@@ -179,3 +181,14 @@ def test_a_node_with_every_outgoing_link_slow_is_named():
     assert sorted(report["blamed"]) == [[0, 1], [0, 2]]
     assert report["nodes"] == [[0, "outgoing"]]
     assert "=> rank 0's outgoing links ran at 0.10" in "\n".join(links.describe(report))
+
+
+def test_slow_links_around_one_rank_name_the_rank():
+    # A node with a slow link in a ring: its own link, and the one into it (its TCP
+    # acknowledgements queue behind its data) less so.
+    calls = sum((_uniform_call(c, factors={2: 30.0, 1: 8.0}) for c in range(4)), [])
+    report = links.analyse(_ranks(calls), noise_us=2e3)
+    assert sorted(report["blamed"]) == [[1, 2], [2, 3]] and report["nodes"] == [[2, "every"]]
+    text = "\n".join(links.describe(report))
+    assert "=> every slow link touches rank 2" in text
+    assert text.index("the link 2 -> 3") < text.index("the link 1 -> 2"), text  # slowest first
