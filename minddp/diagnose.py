@@ -131,8 +131,8 @@ def merged_trace(ranks, report, out):
     each rank where an iteration's culprit held it back, and each hop's wait and wire
     time on its receiver (links.trace_events)."""
     events = []
-    for offset, _, evs in ranks.values():
-        events += [dict(e, ts=e["ts"] + offset) for e in evs]
+    for offset, _, evs in ranks.values():  # hop spans overlap: links.py redraws them
+        events += [dict(e, ts=e["ts"] + offset) for e in evs if e.get("tid") != "hops"]
     table = ready_times(ranks)
     for (it, bucket), times in table.items():
         culprit = report["per_iteration"].get(it)

@@ -185,23 +185,26 @@ def describe(report):
 
 
 def trace_events(ranks):
-    """For diagnose's merged trace, on the receiver of each link: "waited for rank S"
-    spans while the sender had not posted, "wire from S" spans while bytes were due
-    (each the union over a call's messages, so spans never overlap on a track), and a
-    flow arrow per message from the send's post to the receive's end."""
+    """For diagnose's merged trace, in place of the raw hop spans (which overlap): per call
+    and link, on the sender "send to D" while its messages were out, on the receiver
+    "waited for rank S" while the sender had not posted and "wire from S" while bytes were
+    due (each the union over the call's messages, so spans never overlap on a track),
+    and a flow arrow per message from the send's post to the receive's end."""
     events, groups = [], collections.defaultdict(list)
     for n, hop in enumerate(hops(ranks)):
         src, dst = hop["src"], hop["dst"]
         groups[hop["call"], src, dst].append(hop)
         events.append({"name": f"hop {src}->{dst}", "cat": "hop", "ph": "s", "id": n,
-                       "ts": hop["sent"], "pid": src, "tid": "hops"})
+                       "ts": hop["sent"], "pid": src, "tid": f"send {dst}"})
         events.append({"name": f"hop {src}->{dst}", "cat": "hop", "ph": "f", "bp": "e",
                        "id": n, "ts": hop["done"], "pid": dst, "tid": f"wire {src}"})
     for (call, src, dst), messages in groups.items():
+        sends = [(h["sent"], h["done"]) for h in messages]
         waits = [(h["posted"], h["sent"]) for h in messages if h["sent"] > h["posted"]]
         wires = [(max(h["sent"], h["posted"]), h["done"]) for h in messages]
-        for name, spans in ((f"waited for rank {src}", waits), (f"wire from {src}", wires)):
-            events += [{"name": name, "ph": "X", "ts": start, "dur": end - start, "pid": dst,
-                        "tid": f"{name.split()[0]} {src}", "args": {"call": call}}
-                       for start, end in merged(spans)]
+        for pid, tid, name, spans in ((src, f"send {dst}", f"send to {dst}", sends),
+                                      (dst, f"waited {src}", f"waited for rank {src}", waits),
+                                      (dst, f"wire {src}", f"wire from {src}", wires)):
+            events += [{"name": name, "ph": "X", "ts": start, "dur": end - start, "pid": pid,
+                        "tid": tid, "args": {"call": call}} for start, end in merged(spans)]
     return events

@@ -6,6 +6,7 @@ is noted as posted (hops.py) and handed to gloo DELAY_S later, as a slow wire wo
 deliver it. The late rank sleeps before it posts anything, as late compute would.
 """
 import glob
+import json
 import queue
 import threading
 import time
@@ -107,6 +108,12 @@ def test_link_report_names_the_slow_link_only(tmp_path, fault):
         assert report["blamed"] == [], text
     if fault == "rank":  # the wait shows where it belongs: rank 2 waited for rank 1 to post
         assert report["per_link"]["1->2"]["waited_ms"] > 0.5 * DELAY_S * 1e3, text
+    merged = json.loads(open(diagnose.merged_trace(ranks, diagnose.attribute(ranks),
+                                                   str(tmp_path / "all.json"))).read())
+    shown = {e["name"] for e in merged["traceEvents"] if e["pid"] == 2 and e.get("dur", 0) > 0}
+    assert "wire from 1" in shown
+    if fault is not None:  # where rank 2's time went, per hop
+        assert {"link": "wire from 1", "rank": "waited for rank 1"}[fault] in shown, shown
 
 
 def _hop(call, src, dst, sent, posted, done, nbytes=1000, tag=10, seq=0):
