@@ -116,6 +116,25 @@ def test_link_report_names_the_slow_link_only(tmp_path, fault):
         assert {"link": "wire from 1", "rank": "waited for rank 1"}[fault] in shown, shown
 
 
+def _pairs(rank, world_size, prefix, algorithm):
+    ddp = minddp.DDP(nn.Linear(64, 64), algorithm=algorithm, timeline=prefix)
+    for _ in range(2):
+        ddp(torch.randn(8, 64)).sum().backward()
+    ddp.timeline.save()
+
+
+@pytest.mark.parametrize("algorithm", ["tree", "halving_doubling"])
+def test_every_receive_pairs_with_its_send(tmp_path, algorithm):
+    prefix = str(tmp_path / "trace")
+    run_world(_pairs, 3, prefix, algorithm, timeout=60)
+    ranks = diagnose.load(sorted(glob.glob(prefix + ".rank*.json")))
+    received = [e for _, _, events in ranks.values() for e in events
+                if e.get("tid") == "hops" and e["args"]["op"] == "recv"]
+    paired = links.hops(ranks)
+    assert received and len(paired) == len(received), (len(paired), len(received))
+    assert {hop["call"] for hop in paired} == {0, 1}
+
+
 def _hop(call, src, dst, sent, posted, done, nbytes=1000, tag=10, seq=0):
     """The two trace events of one message (clock offsets zero)."""
     args = {"call": call, "tag": tag, "seq": seq, "bytes": nbytes}
