@@ -424,7 +424,7 @@ class Link:
 
     def _post(self, op, peer, tensors, tag):
         """Start sending or receiving `tensors`; returns (what, peer, works, record) for
-        _wait (record: the hop's, or None)."""
+        _wait (record: the hop's index in self.hops, or None)."""
         what = "send to" if op == "send" else "receive from"
         record = None if self.hops is None else self.hops.posted(op, peer, tensors, tag)
         try:
@@ -444,7 +444,7 @@ class Link:
         except Exception as e:
             raise self.error(what, peer, e) from e
         if record is not None:
-            hops.Hops.done(record)
+            self.hops.done(record)
 
     def error(self, what, peer, cause):
         """The error for a failed message to or from `peer` (a rank, or a list of them)."""
