@@ -4,6 +4,7 @@
 #   sudo benchmarks/multinode.sh [NODES=2] [RATE=1gbit] [compare.py arguments...]
 #   sudo benchmarks/multinode.sh 2 1gbit --workloads mlp --configs torch_ddp,minddp_ring
 #   sudo SCRIPT=benchmarks/time_to_loss.py benchmarks/multinode.sh 2 1gbit --steps 200
+#   sudo SLOW_NODE=2 SLOW_RATE=100mbit benchmarks/multinode.sh 4 1gbit --timeline ...
 #
 # Loopback makes communication nearly free, which hides what all-reduce
 # algorithms and compression are for. This script builds NODES network
@@ -12,7 +13,11 @@
 # netem is not available everywhere). It then starts one torchrun per node
 # (--nnodes=NODES --nproc_per_node=1), rendezvousing on node 0's address, and
 # runs benchmarks/compare.py (or $SCRIPT) across them; results go to results/multinode-N/
-# (or $OUT).
+# (or $OUT). SLOW_NODE=i limits node i's outgoing link to SLOW_RATE instead (default a tenth
+# of RATE when RATE is in mbit or gbit): one slow link among equal ones, for
+# `python -m minddp.diagnose` to find (docs/troubleshooting.md).
+# Timings on a shared machine: run it under `flock /tmp/minddp-bench.lock` so that two
+# benchmark runs neither collide on the namespaces nor disturb each other's figures.
 # Needs root and iproute2; the namespaces, links and bridge are removed on exit,
 # whether the run succeeds or fails.
 set -euo pipefail
@@ -29,12 +34,26 @@ BRIDGE=${PREFIX}br0
 SUBNET=10.77.0
 PORT=${PORT:-29577}
 OUT=${OUT:-results/multinode-${NODES}}
+SLOW_NODE=${SLOW_NODE:-}
+tenth() {  # a tenth of a tc rate such as 1gbit or 400mbit, in kbit
+    case "$1" in
+        *gbit) echo "$(( ${1%gbit} * 100000 ))kbit" ;;
+        *mbit) echo "$(( ${1%mbit} * 100 ))kbit" ;;
+        *) echo "" ;;
+    esac
+}
+SLOW_RATE=${SLOW_RATE:-$(tenth "$RATE")}
 
 fail() { echo "multinode.sh: $*" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || fail "needs root (network namespaces and tc); run it with sudo"
 command -v ip >/dev/null && command -v tc >/dev/null || fail "needs iproute2 (ip, tc)"
 [ -x "$PY" ] || fail "no $PY: run 'make setup' first"
 [[ "$NODES" =~ ^[0-9]+$ ]] && [ "$NODES" -ge 2 ] || fail "NODES must be a number >= 2, got '$NODES'"
+if [ -n "$SLOW_NODE" ]; then
+    [[ "$SLOW_NODE" =~ ^[0-9]+$ ]] && [ "$SLOW_NODE" -lt "$NODES" ] \
+        || fail "SLOW_NODE must be a node number below $NODES, got '$SLOW_NODE'"
+    [ -n "$SLOW_RATE" ] || fail "give SLOW_RATE (e.g. 100mbit): no tenth of RATE=$RATE"
+fi
 
 cleanup() {
     for pid in $(jobs -p); do kill "$pid" 2>/dev/null || true; done
@@ -58,14 +77,19 @@ for i in $(seq 0 $((NODES - 1))); do
     ip -n "$ns" link set eth0 up
     ip -n "$ns" link set lo up
     # Each node's egress is limited: a rank's sends share its node's link.
-    ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$RATE" burst 256kb latency 50ms
+    rate=$RATE
+    [ "$i" = "$SLOW_NODE" ] && rate=$SLOW_RATE
+    ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$rate" burst 256kb latency 50ms
 done
-echo "multinode.sh: $NODES nodes on $SUBNET.0/24, each link limited to $RATE (tc tbf)"
+slow=""
+[ -z "$SLOW_NODE" ] || slow=" except node $SLOW_NODE's, limited to $SLOW_RATE"
+echo "multinode.sh: $NODES nodes on $SUBNET.0/24, each link limited to $RATE$slow (tc tbf)"
 
 mkdir -p "$OUT"
 COMMAND="benchmarks/multinode.sh $NODES $RATE ${ARGS[*]}"  # recorded in the result file
 [ "$SCRIPT" = benchmarks/compare.py ] || COMMAND="SCRIPT=$SCRIPT $COMMAND"
 [ "$OUT" = "results/multinode-${NODES}" ] || COMMAND="OUT=$OUT $COMMAND"
+[ -z "$SLOW_NODE" ] || COMMAND="SLOW_NODE=$SLOW_NODE SLOW_RATE=$SLOW_RATE $COMMAND"
 COMMAND="sudo $COMMAND"
 THREADS=$(( $(nproc) / NODES > 0 ? $(nproc) / NODES : 1 ))  # the nodes share this CPU
 pids=()

@@ -45,6 +45,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from minddp import hops
 from minddp.algorithms import lanes
 from minddp.devices import group_device, is_device_backend
 from minddp.timeline import now_us, profiled
@@ -182,6 +183,8 @@ class CommEngine:
             fut.set_exception(self._stopped())
             return
         start = now_us()
+        # Only while a timeline records do minddp's algorithms note their hops.
+        previous = hops.recording(timeline, label) if timeline is not None else None
         try:
             with profiled(f"minddp.{label}"):
                 result = job(*args)
@@ -189,6 +192,9 @@ class CommEngine:
             self._error = e
             fut.set_exception(e)
             return
+        finally:
+            if timeline is not None:
+                hops.restore(previous)
         # Backend work returns torch._C.Future, the base of torch.futures.Future.
         if isinstance(result, torch._C.Future):
             with self._handed_on:

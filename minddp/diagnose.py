@@ -14,6 +14,11 @@ any bucket back, counted only above the noise (--noise-ms, default 2 ms, plus
 the clocks' alignment error). A rank is blamed where that happened in at
 least 3/4 of the iterations and more often than chance would make one of p
 ranks the last (binomial, p < 0.05): a busy machine delays ranks at random.
+
+Then the links (links.py), where minddp's own algorithms ran on gloo: per
+directed link, its rate against the others', its messages' time on the wire
+against their receiver's wait for the sender to post (a slow link, not a
+late rank), and the link that ran below half the others' rate in most calls.
 """
 import argparse
 import collections
@@ -23,7 +28,7 @@ import re
 import statistics
 import sys
 
-from minddp import whatif
+from minddp import links, whatif
 
 READY = re.compile(r"ready b(\d+)$")
 
@@ -60,7 +65,10 @@ def attribute(ranks, noise_ms=2.0):
     noise_us = noise_ms * 1e3 + 2 * max(errors, default=0.0)
     per_iteration = collections.defaultdict(dict)  # iteration -> {rank: most held back, us}
     last_counts = collections.Counter()
-    waited = collections.defaultdict(float)  # rank -> us the others waited, summed
+    # rank -> us the others waited for it: per iteration the most over buckets (they wait
+    # for its buckets one after another, so the waits overlap), each the mean over them
+    waited = collections.defaultdict(float)
+    waited_now = collections.defaultdict(dict)  # iteration -> {rank: us}
     for (iteration, _), times in sorted(table.items()):
         order = sorted(times, key=times.get)
         last = order[-1]
@@ -68,8 +76,13 @@ def attribute(ranks, noise_ms=2.0):
         last_counts[last] += 1
         held = per_iteration[iteration]
         held[last] = max(held.get(last, 0.0), margin)
-        waited[last] += sum(times[last] - times[r] for r in order[:-1])
+        if len(order) > 1:
+            lag = statistics.mean(times[last] - times[r] for r in order[:-1])
+            waited_now[iteration][last] = max(waited_now[iteration].get(last, 0.0), lag)
     iterations = sorted(per_iteration)
+    for by_rank in waited_now.values():
+        for rank, lag in by_rank.items():
+            waited[rank] += lag
     culprits = {}  # iteration -> (rank, delay us) where above the noise
     for it in iterations:
         rank, delay = max(per_iteration[it].items(), key=lambda kv: kv[1])
@@ -110,21 +123,24 @@ def describe(report):
                      f"held the others back in {row['iterations_blamed']} of "
                      f"{report['iterations']} iterations, by {row['delay_ms']:.1f} ms "
                      f"(median); the others waited {row['others_waited_ms_per_iteration']:.1f} "
-                     f"ms per iteration for it in all")
+                     f"ms per iteration for it")
     if report["blamed"]:
         lines += [f"=> rank {r} made the others wait: {report['per_rank'][r]['delay_ms']:.1f} ms "
                   f"per iteration" for r in report["blamed"]]
     else:
         lines.append("=> no rank held the others back above the noise")
+    if "links" in report:
+        lines += links.describe(report["links"])
     return "\n".join(lines)
 
 
 def merged_trace(ranks, report, out):
     """One Chrome trace, every rank on rank 0's clock, with a "waited for rank R" mark on
-    each rank where an iteration's culprit held it back."""
+    each rank where an iteration's culprit held it back, and each hop's wait and wire
+    time on its receiver (links.trace_events)."""
     events = []
-    for offset, _, evs in ranks.values():
-        events += [dict(e, ts=e["ts"] + offset) for e in evs]
+    for offset, _, evs in ranks.values():  # hop spans overlap: links.py redraws them
+        events += [dict(e, ts=e["ts"] + offset) for e in evs if e.get("tid") != "hops"]
     table = ready_times(ranks)
     for (it, bucket), times in table.items():
         culprit = report["per_iteration"].get(it)
@@ -135,6 +151,7 @@ def merged_trace(ranks, report, out):
                 events.append({"name": f"waited for rank {culprit['rank']}", "ph": "X",
                                "ts": t, "dur": times[culprit["rank"]] - t, "pid": rank,
                                "tid": "waits", "args": {"iteration": it, "bucket": bucket}})
+    events += links.trace_events(ranks)  # who waited for whom, per hop
     with open(out, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
     return out
@@ -154,6 +171,7 @@ def main(argv=None):
         return whatif.main(args)
     ranks = load(args.traces)
     report = attribute(ranks, args.noise_ms)
+    report["links"] = links.analyse(ranks, report["noise_ms"] * 1e3)
     if args.merged:
         merged_trace(ranks, report, args.merged)
     print(json.dumps(report, indent=1) if args.json else describe(report))

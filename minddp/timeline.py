@@ -12,6 +12,8 @@ iteration:
     comm b<i>     bucket i's all-reduce, from when the communication thread
                   starts it to when its result is there (thread "comm")
     finalize      waiting for the buckets and writing .grad
+    send to <r>,  each message of minddp's own algorithms on gloo, from its
+    recv from <r> posting to its wait's end (thread "hops"; hops.py)
 
 `hidden_share` reads the overlap back: how much of the communication ran
 while backward was still computing. The same spans are labelled for
@@ -50,6 +52,8 @@ class Timeline:
         self.offset_error_us = None  # half the shortest round trip: the offset's bound
         self.meta = {}  # more "otherData" for readers of the file (whatif.annotate)
         self._lock = threading.Lock()  # spans arrive from the training and comm threads
+        self.calls = 0  # point-to-point all-reduces run for it so far (hops.py numbers them)
+        self._later = []  # add_later's functions, not yet called
         if self.path:
             atexit.register(self.save)
 
@@ -64,10 +68,20 @@ class Timeline:
             self.events.append({"name": name, "ph": "i", "s": "t", "ts": now_us(),
                                 "pid": self.rank, "tid": thread, "args": args})
 
+    def add_later(self, make_events):
+        """Have `make_events()` (a list of trace events) added at save: hops.py's records
+        are formatted then, off the communication thread's path."""
+        with self._lock:
+            self._later.append(make_events)
+
     def save(self):
         if self.path is None:
             return None
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with self._lock:
+            for make_events in self._later:
+                self.events.extend(make_events())
+            self._later.clear()
         with self._lock, open(self.path, "w") as f:
             json.dump({"traceEvents": self.events, "displayTimeUnit": "ms",
                        "otherData": {"rank": self.rank, "clock_offset_us": self.offset_us,

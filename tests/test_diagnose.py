@@ -78,3 +78,18 @@ def _timeline_on_rank_0_only(rank, world_size, prefix):
 def test_a_timeline_on_some_ranks_only_does_not_hang(tmp_path):
     assert run_world(_timeline_on_rank_0_only, 2, str(tmp_path / "trace"), timeout=60) == [
         True, False]
+
+
+def test_the_others_wait_once_per_iteration_not_once_per_bucket_and_rank():
+    # 4 ranks, 3 buckets; rank 3 is 30 ms late with every bucket in every iteration
+    def events(rank):
+        return [{"name": f"ready b{b}", "ph": "i", "ts": 1e6 * it + 1e3 * b + (3e4 if rank == 3
+                                                                             else 0.0),
+                 "pid": rank, "args": {"iteration": it}}
+                for it in range(8) for b in range(3)]
+    ranks = {r: (0.0, 10.0, events(r)) for r in range(4)}
+    report = diagnose.attribute(ranks)
+    assert report["blamed"] == [3]
+    row = report["per_rank"][3]
+    assert abs(row["others_waited_ms_per_iteration"] - 30.0) < 1e-6, row
+    assert abs(row["delay_ms"] - 30.0) < 1e-6, row

@@ -56,7 +56,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from minddp import devices
+from minddp import devices, hops
 from minddp.algorithms import lanes
 from minddp.errors import first_line
 
@@ -162,6 +162,8 @@ def _reduce(algorithm, body, flat, group, codec, segment_bytes, rank, size, back
     link = Link(algorithm, flat, group, codec, segment_bytes or SEGMENT_BYTES, rank, size,
                 backend, None if owed is None else owed.view(-1))
     body(link)
+    if link.hops is not None:
+        link.hops.flush()
     if owed is not None:
         _check_fed_back_once(link)
     if staged is not None:
@@ -201,6 +203,8 @@ class Link:
         wire_size = (codec.wire_itemsize(flat.dtype, flat.device) if codec is not None
                      else self.itemsize)
         self.segment = max(1, self.numel if self.grouped else int(segment_bytes // wire_size))
+        # Each message's timing, while a timeline records (hops.py); gloo's only.
+        self.hops = None if self.grouped else hops.start(group)
 
     def segments(self, start, end):
         """Views of the flat tensor's [start, end) cut into segments; an empty range
@@ -420,24 +424,28 @@ class Link:
         return templates[key]
 
     def _post(self, op, peer, tensors, tag):
-        """Start sending or receiving `tensors`; returns (what, peer, works) for _wait."""
+        """Start sending or receiving `tensors`; returns (what, peer, works, record) for
+        _wait (record: the hop's index in self.hops, or None)."""
         what = "send to" if op == "send" else "receive from"
+        record = None if self.hops is None else self.hops.posted(op, peer, tensors, tag)
         try:
             lane = self.lane(op, peer)
             post = lane.send if op == "send" else lane.recv
-            return what, peer, [post([t], peer, tag) for t in tensors]
+            return what, peer, [post([t], peer, tag) for t in tensors], record
         except Exception as e:
             raise self.error(what, peer, e) from e
 
     def _wait(self, posted):
         # Work.wait() with no argument is bounded by the process group's
         # timeout, so a dead or stuck peer raises instead of hanging.
-        what, peer, works = posted
+        what, peer, works, record = posted
         try:
             for work in works:
                 work.wait()
         except Exception as e:
             raise self.error(what, peer, e) from e
+        if record is not None:
+            self.hops.done(record)
 
     def error(self, what, peer, cause):
         """The error for a failed message to or from `peer` (a rank, or a list of them)."""

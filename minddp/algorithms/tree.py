@@ -75,7 +75,10 @@ def _tree(link):
     r = link.rank
     parent = (r - 1) // 2 if r > 0 else None
     children = [c for c in (2 * r + 1, 2 * r + 2) if c < link.size]
-    if not link.grouped and link.codec is None and link.numel <= link.segment:
+    # The shortcuts post straight to the group; while hops are recorded (hops.py) the
+    # same messages go through exchange, which notes them.
+    if not link.grouped and link.codec is None and link.numel <= link.segment \
+            and link.hops is None:
         if link.size == 2 and link.numel * link.itemsize <= EXCHANGE_BYTES:
             return _exchange(link, 1 - r)
         return _one_segment(link, parent, children)
