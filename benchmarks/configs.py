@@ -57,6 +57,9 @@ CONFIGS.update({
     # written to the temporary folder at exit
     "minddp_native_timeline": ("minddp", "native", None,
                                {"timeline": os.path.join(tempfile.gettempdir(), "minddp-trace")}),
+    # and ring with one: every message of every hop is noted too (hops.py, the link report)
+    "minddp_ring_timeline": ("minddp", "ring", None,
+                             {"timeline": os.path.join(tempfile.gettempdir(), "minddp-trace")}),
 })
 
 
