@@ -50,7 +50,7 @@ class Bucket:
         # Made once, as torch's bucket views are: slicing anew in every
         # gradient hook costs more than the copy into the slot on a small layer.
         self.views = [] if self.sparse else self._slices(self.buffer)
-        large = [p.numel() >= SCALED_COPY_ELEMENTS for p in self.params]
+        large = [] if self.sparse else [p.numel() >= SCALED_COPY_ELEMENTS for p in self.params]
         self._large = [i for i, big in enumerate(large) if big]
         self._small = [i for i, big in enumerate(large) if not big]
         self._small_views = [self.views[i] for i in self._small]
