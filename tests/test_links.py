@@ -218,3 +218,23 @@ def test_slow_links_around_one_rank_name_the_rank():
     text = "\n".join(links.describe(report))
     assert "=> every slow link touches rank 2" in text
     assert text.index("the link 2 -> 3") < text.index("the link 1 -> 2"), text  # slowest first
+
+
+def _sums_with_one_rank_recording(rank, world_size, prefix):
+    """A 2-rank tree of small integer buckets, the timeline (so the hop records) on
+    rank 0 only: both ranks must take the same path and hold the exact sum."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randint(-2, 3, p.shape))
+    ddp = minddp.DDP(model, algorithm="tree", timeline=prefix if rank == 0 else None)
+    x = torch.randint(-3, 4, (4, 8)).float() * (rank + 1)
+    ddp(x).sum().backward()
+    return [p.grad.clone() for p in ddp.parameters()]
+
+
+def test_recording_on_one_rank_does_not_change_what_the_tree_sends(tmp_path):
+    grads = run_world(_sums_with_one_rank_recording, 2, str(tmp_path / "trace"), timeout=60)
+    for mine, theirs in zip(*grads):
+        assert torch.equal(mine, theirs), "rank 1's gradients differ from rank 0's"

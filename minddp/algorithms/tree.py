@@ -75,10 +75,9 @@ def _tree(link):
     r = link.rank
     parent = (r - 1) // 2 if r > 0 else None
     children = [c for c in (2 * r + 1, 2 * r + 2) if c < link.size]
-    # The shortcuts post straight to the group; while hops are recorded (hops.py) the
-    # same messages go through exchange, which notes them.
-    if not link.grouped and link.codec is None and link.numel <= link.segment \
-            and link.hops is None:
+    # Whether a rank records its hops (hops.py) must not change which path it takes:
+    # the shortcuts' messages differ from the pipeline's (one exchange on 2 ranks).
+    if not link.grouped and link.codec is None and link.numel <= link.segment:
         if link.size == 2 and link.numel * link.itemsize <= EXCHANGE_BYTES:
             return _exchange(link, 1 - r)
         return _one_segment(link, parent, children)
@@ -124,32 +123,19 @@ def _one_segment(link, parent, children):
     """
     flat = link.flat
     bufs = [link.scratch(flat, k) for k in range(len(children))]
-    # Only the messages sit inside the try blocks, so only their failures are
-    # reported as a peer's; `peer` is set before each is posted or awaited.
-    what, peer = "receive from", None
-    try:
-        works = []
-        for peer, buf in zip(children, bufs):
-            works.append(link.lane("recv", peer).recv([buf], peer, TAG))
-        for peer, work in zip(children, works):  # noqa: B007 - `peer` names the failed wait
-            work.wait()  # bounded by the group's timeout, as in exchange
-    except Exception as e:
-        raise link.error(what, peer, e) from e
+    # Link._post/_wait: a failed message is reported as the peer's, and noted as a hop
+    # while a timeline records.
+    received = [link._post("recv", c, [buf], TAG) for c, buf in zip(children, bufs)]
+    for posted in received:
+        link._wait(posted)
     for buf in bufs:  # in child order, as the pipeline adds them
         flat.add_(buf)
-    try:
-        if parent is not None:
-            what, peer = "send to", parent
-            link.lane("send", parent).send([flat], parent, TAG).wait()
-            what = "receive from"
-            link.lane("recv", parent).recv([flat], parent, TAG).wait()
-        what, works = "send to", []
-        for peer in children:
-            works.append(link.lane("send", peer).send([flat], peer, TAG))
-        for peer, work in zip(children, works):  # noqa: B007 - `peer` names the failed wait
-            work.wait()
-    except Exception as e:
-        raise link.error(what, peer, e) from e
+    if parent is not None:
+        link._wait(link._post("send", parent, [flat], TAG))
+        link._wait(link._post("recv", parent, [flat], TAG))
+    sent = [link._post("send", c, [flat], TAG) for c in children]
+    for posted in sent:
+        link._wait(posted)
 
 
 def _exchange(link, peer):
@@ -162,18 +148,10 @@ def _exchange(link, peer):
     """
     flat = link.flat
     buf = link.scratch(flat, 0)
-    what = "receive from"
-    try:
-        # Posted first: the peer's send can go at once.
-        received = link.lane("recv", peer).recv([buf], peer, TAG)
-        what = "send to"
-        sent = link.lane("send", peer).send([flat], peer, TAG)
-        what = "receive from"
-        received.wait()  # bounded by the group's timeout, as in exchange
-        what = "send to"
-        sent.wait()  # our tensor is read until then: only now may it change
-    except Exception as e:
-        raise link.error(what, peer, e) from e
+    received = link._post("recv", peer, [buf], TAG)  # first: the peer's send can go at once
+    sent = link._post("send", peer, [flat], TAG)
+    link._wait(received)  # bounded by the group's timeout, as in exchange
+    link._wait(sent)  # our tensor is read until then: only now may it change
     if link.rank == 0:
         flat.add_(buf)
     else:
