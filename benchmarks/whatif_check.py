@@ -110,6 +110,8 @@ def main(argv=None):
     p.add_argument("--reference", metavar="COMPARE_JSON",
                    help="the measured run's compare.json: its no_comm row gives the machine's "
                         "speed then, for the drift-corrected error")
+    p.add_argument("--measured-algorithm", metavar="NAME",
+                   help="the algorithm the traced run used, where annotate did not record it")
     p.add_argument("--out", help="also write the rows as JSON")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table instead")
     args = p.parse_args(argv)
@@ -126,7 +128,9 @@ def main(argv=None):
     if args.reference:
         with open(args.reference) as f:
             reference = floor(json.load(f)["rows"])
-    rows = compare(whatif.from_traces(traces), measured, args.latency_us, reference)
+    run = whatif.from_traces(traces)
+    run.algorithm = args.measured_algorithm or run.algorithm
+    rows = compare(run, measured, args.latency_us, reference)
     print(markdown(rows) if args.markdown else describe(rows))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

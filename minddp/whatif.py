@@ -74,7 +74,7 @@ def annotate(ddp, step_ms=None):
     meta = {"params": [[p.numel() * p.element_size(), str(p.dtype)] for p in reducer.params],
             "buckets": [list(b.indices) for b in reducer.buckets],
             "costs": dataclasses.asdict(costs), "slowdown": slowdown,
-            "world_size": engine.group.size()}
+            "world_size": engine.group.size(), "algorithm": ddp.algorithm}
     if step_ms is not None:
         meta["step_ms"] = step_ms
     if ddp.timeline is not None:
@@ -95,6 +95,7 @@ class Run:
     slowdown: float
     world_size: int
     layout: list       # the measured buckets (lists of indices)
+    algorithm: str = None  # what the run reduced with; None: each prediction's own
 
 
 def from_traces(traces):
@@ -113,7 +114,7 @@ def from_traces(traces):
     return Run(sizes, [d for _, d in meta["params"]], ready,
                max(r["backward"] for r in per_rank), step,
                cost_model.Costs(**meta["costs"]), slowdown, meta["world_size"],
-               meta["buckets"])
+               meta["buckets"], meta.get("algorithm"))
 
 
 def _rank_figures(events, meta):
@@ -216,8 +217,13 @@ def predict(run, cap, algorithm, link=Link(), world_size=None, ratio=1.0):
         return None
     chosen = layout(run, cap, lambda n: (costs(n)[0] / 1e6, costs(n)[1]))
     end, comm = _end(run, chosen, costs)
+    # The measured run as the model sees it, with the algorithm it ran (auto, or an
+    # algorithm without a formula: the predicted one's, so only the layout and link differ).
+    ran = run.algorithm
+    if ran is None or cost_model.predict(ran, 1 << 20, run.world_size, run.costs) is None:
+        ran = algorithm
     measured, _ = _end(run, run.layout, lambda n: (
-        cost_model.predict(algorithm, n, run.world_size, run.costs) * 1e6, run.slowdown))
+        cost_model.predict(ran, n, run.world_size, run.costs) * 1e6, run.slowdown))
     return {"step_ms": (run.step + end - measured) / 1e3,
             "exposed_ms": (end - run.backward) / 1e3, "comm_ms": comm / 1e3,
             "buckets": len(chosen)}
@@ -304,6 +310,8 @@ def add_arguments(parser):
     g.add_argument("--ratio", type=float, default=1.0,
                    help="wire bytes per byte reduced (fp16 compression: 0.5)")
     g.add_argument("--plot", metavar="PNG", help="also draw the predictions")
+    g.add_argument("--measured-algorithm", metavar="NAME",
+                   help="the algorithm the traced run used (default: what annotate recorded)")
 
 
 def main(args):
@@ -314,6 +322,8 @@ def main(args):
         with open(path) as f:
             traces.append(json.load(f))
     run = from_traces(traces)
+    if args.measured_algorithm:
+        run.algorithm = args.measured_algorithm
     link = Link(parse_rate(args.bandwidth), args.latency_us * 1e-6)
     rows = table(run, args.caps.split(","),
                  args.algorithms.split(",") if args.algorithms else None, link,

@@ -147,3 +147,18 @@ def test_a_real_trace_gives_a_table(tmp_path, capsys):
     assert {r[0] for r in rows} >= {"ring", "native"}
     assert {r[1] for r in rows} == {"1", "4", "25", "planned"}
     assert all(float(r[3]) > 0 for r in rows)
+
+
+def test_algorithms_differ_by_their_costs_against_the_one_the_run_used():
+    """The measured run used ring: predicting ring on its own link gives its step back,
+    and an algorithm whose formula costs more there predicts a longer step."""
+    run = _run(slowdown=0.0)
+    run.algorithm = "ring"
+    ring = whatif.predict(run, "0.0625", "ring")  # one bucket per parameter, as measured
+    assert ring["step_ms"] == pytest.approx(STEP_US / 1e3)
+    others = {a: whatif.predict(run, "0.0625", a)
+              for a in ("tree", "halving_doubling", "native")}
+    costlier = [a for a, got in others.items() if got["comm_ms"] > ring["comm_ms"] + 1e-6]
+    assert costlier, others
+    for a in costlier:
+        assert others[a]["step_ms"] > ring["step_ms"], (a, others[a], ring)
