@@ -58,8 +58,8 @@ CONFIGS.update({
     "minddp_native_timeline": ("minddp", "native", None,
                                {"timeline": os.path.join(tempfile.gettempdir(), "minddp-trace")}),
     # and ring with one: every message of every hop is noted too (hops.py, the link report)
-    "minddp_ring_timeline": ("minddp", "ring", None,
-                             {"timeline": os.path.join(tempfile.gettempdir(), "minddp-trace")}),
+    "minddp_ring_timeline": ("minddp", "ring", None, {
+        "timeline": os.path.join(tempfile.gettempdir(), "minddp-trace-ring")}),
 })
 
 

@@ -20,7 +20,8 @@ Limits, and why:
 - NCCL's rules are not recorded: a wait there only orders streams, the host
   never sees a message land;
 - MINDDP_HOPS_EVERY=N records one call in N (default 1: every call; N bounds
-  the trace's size on long runs, and the cost). Noting a message takes about
+  the trace's size on long runs, and the cost), and at most MAX_CALLS calls are
+  recorded per timeline. Noting a message takes about
   1.2 us of CPU (it is formatted only when the timeline saves); end to end a
   recorded ring call of 4 KB on 2 loopback ranks took 30 us longer (280 ->
   315 us, median of 1450 interleaved calls), and steps of compare.py's narrow
@@ -35,7 +36,19 @@ import torch.distributed as dist
 
 from minddp.timeline import now_us
 
-EVERY = int(os.environ.get("MINDDP_HOPS_EVERY", "1"))
+def _every():
+    value = os.environ.get("MINDDP_HOPS_EVERY", "1")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"minddp: MINDDP_HOPS_EVERY={value!r} is not a whole number; set it "
+                         f"to N to record one all-reduce call in N (1: every call)") from None
+
+
+EVERY = _every()
+# At most this many calls are recorded per timeline (about 200 bytes a message kept until
+# the trace is saved): enough for thousands of steps, bounded on a run of any length.
+MAX_CALLS = 10_000
 _local = threading.local()
 
 
@@ -59,7 +72,7 @@ def start(group):
     timeline, label = job
     call = timeline.calls
     timeline.calls += 1
-    if EVERY <= 0 or call % EVERY:
+    if EVERY <= 0 or call % EVERY or call // EVERY >= MAX_CALLS:
         return None
     return Hops(timeline, call, label, dist.get_process_group_ranks(group))
 

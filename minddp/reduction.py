@@ -82,7 +82,9 @@ class AlgorithmReduction:
         self.name = name  # for error messages: "algorithm 'ring'"
         self.carries_stamp = exact  # not with a lossy codec
         # A sum over one rank is the bucket itself: no collective to launch (on one NCCL GPU
-        # a kernel and its bookkeeping per bucket). A codec's rounding still applies.
+        # a kernel and its bookkeeping per bucket). With a codec the collective runs as it
+        # would on more ranks: a whole-bucket encoding (native's) rounds the values, a
+        # per-hop algorithm has no hop to encode on one rank and leaves them exact.
         self.alone = exact and dist.get_world_size(engine.group) == 1
 
     def setup(self, buckets, provisional=False):

@@ -219,7 +219,7 @@ def _one_rank_collective_calls(rank, world_size, compression):
     return len(calls), same
 
 
-def test_one_rank_launches_no_collective_unless_a_codec_rounds():
+def test_one_rank_launches_no_collective_without_a_codec():
     assert run_world(_one_rank_collective_calls, 1, None) == [(0, True)]
     calls, _ = run_world(_one_rank_collective_calls, 1, "fp16")[0]
-    assert calls > 0, "fp16 must still round on one rank"
+    assert calls > 0, "with a codec the collective runs as on more ranks"
