@@ -12,9 +12,11 @@ process group before it ends, as a script should: without that, torch's own
 groups can abort at exit too.
 """
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -41,6 +43,9 @@ for run in range(runs):
         _, status = os.waitpid(pid, 0)
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
+            for other in children:  # its peer would wait for it until the group's timeout
+                if other != pid:
+                    os.kill(other, 9)
             sys.exit(f"run {run}: rank {rank} exited with status {code}")
 if role is not None:
     run, rank = role
@@ -64,7 +69,17 @@ def _free_port():
 @pytest.mark.parametrize("algorithm, unused", [("ring", "all"), ("native", "unused")])
 def test_script_ending_after_backward_exits_cleanly(algorithm, unused):
     ports = [str(_free_port()) for _ in range(RUNS)]
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, algorithm, unused, str(RUNS), *ports],
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True, timeout=150)
-    assert proc.returncode == 0, f"{algorithm}: {proc.stderr[-3000:]}"
+    # Its own session, so a timeout kills the forked ranks too; stderr to a file, which
+    # no leftover process can hold open the way it would a pipe.
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-c", SCRIPT, algorithm, unused, str(RUNS),
+                                 *ports], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        try:
+            code = proc.wait(timeout=150)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = "none: it did not finish within 150 s"
+        err.seek(0)
+        assert code == 0, f"{algorithm}: exit status {code}\n{err.read()[-3000:]}"
