@@ -54,6 +54,13 @@ _STOP = object()
 _engines = {}  # (ranks, backend, timeout) -> CommEngine, for the life of the process
 
 
+def future_on(device=None):
+    """A Future for a value on `device`: a CUDA device makes it stream-aware (its
+    waiters' streams wait for the value's), as every Future the wrapper hands back."""
+    return torch.futures.Future(devices=[device] if device is not None and
+                                device.type == "cuda" else None)
+
+
 def engine_for(group, timeout=None, device=None):
     """The engine (and gradient group) for `group`'s ranks, made on first use.
 
@@ -126,8 +133,7 @@ class CommEngine:
         device of the result (a CUDA device makes the future stream-aware).
         `label` names the job in `timeline` and in torch profiles.
         """
-        devices = [device] if device is not None and device.type == "cuda" else None
-        fut = torch.futures.Future(devices=devices)
+        fut = future_on(device)
         if self._error is not None:
             fut.set_exception(self._stopped())
             return fut

@@ -24,13 +24,12 @@ import argparse
 import collections
 import json
 import math
-import re
 import statistics
 import sys
 
 from minddp import links, whatif
+from minddp.timeline import ready_bucket
 
-READY = re.compile(r"ready b(\d+)$")
 
 
 def load(paths):
@@ -52,9 +51,9 @@ def ready_times(ranks):
     table = collections.defaultdict(dict)
     for rank, (offset, _, events) in ranks.items():
         for e in events:
-            match = READY.match(e["name"])
-            if match and "iteration" in e.get("args", {}):
-                table[e["args"]["iteration"], int(match.group(1))][rank] = e["ts"] + offset
+            bucket = ready_bucket(e)
+            if bucket is not None and "iteration" in e.get("args", {}):
+                table[e["args"]["iteration"], bucket][rank] = e["ts"] + offset
     return {key: times for key, times in table.items() if len(times) == len(ranks)}
 
 

@@ -36,6 +36,8 @@ buffers, and the ranks' sparse gradients hold different rows.
 import torch
 import torch.distributed as dist
 
+from minddp.comm import future_on
+
 
 def setup_collective(engine, collective, buffers, provisional=False):
     """Run `collective.setup(buffers, provisional)` (registry.py), where it has one (auto),
@@ -96,7 +98,7 @@ class AlgorithmReduction:
             return launch_sparse(self.engine, bucket, self.timeline)
         tensor = bucket._to_sum()  # the step check's slots too, where bucket 0 has them
         if self.alone:
-            fut = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
+            fut = future_on(tensor.device)
             fut.set_result(tensor)
             return fut
         return self.engine.submit(self.collective, tensor, label=f"comm b{bucket.index()}",

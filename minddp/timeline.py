@@ -27,6 +27,7 @@ rank's events on one clock and say who waited for whom (diagnose.py).
 import atexit
 import json
 import os
+import re
 import threading
 import time
 
@@ -34,7 +35,14 @@ import torch
 import torch.distributed as dist
 
 _T0 = time.perf_counter()
+_READY = re.compile(r"ready b(\d+)$")
 ALIGN_ROUNDS = 16  # round trips per rank when aligning clocks (a few ms in all)
+
+
+def ready_bucket(event):
+    """The bucket index of a "ready b<i>" instant, or None for any other event."""
+    match = _READY.match(event["name"])
+    return int(match.group(1)) if match else None
 
 
 def now_us():

@@ -45,6 +45,7 @@ import torch
 
 from minddp import buckets, overlap, registry
 from minddp.algorithms import cost_model, native
+from minddp.timeline import ready_bucket
 
 WARMUP = 3  # iterations left out: the first ones warm caches and the plan's probes
 LAYOUTS = ("1", "4", "25", "planned")  # "25" is torch's layout (a 1 MiB first bucket)
@@ -121,8 +122,7 @@ def _rank_figures(events, meta):
     """One rank's medians: per-parameter ready times and backward, and the period
     between backwards (the step, where the trace does not say)."""
     backwards = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["name"] == "backward")
-    readies = [(e["ts"], int(e["name"][len("ready b"):])) for e in events
-               if re.match(r"ready b\d+$", e["name"])]
+    readies = [(e["ts"], ready_bucket(e)) for e in events if ready_bucket(e) is not None]
     nb = len(meta["buckets"])
     per_bucket, backward = [[] for _ in range(nb)], []
     for k, (start, end) in enumerate(backwards):
