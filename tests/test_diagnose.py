@@ -15,6 +15,14 @@ from dist_harness import run_world
 from minddp import diagnose
 
 SLEEP_S = 0.03
+SLEPT_S = []  # what the straggler's sleeps took: the OS may wake it late on a busy machine
+
+
+def _sleep(grad):
+    start = time.perf_counter()
+    time.sleep(SLEEP_S)
+    SLEPT_S.append(time.perf_counter() - start)
+    return grad
 
 
 class Net(nn.Module):
@@ -29,25 +37,26 @@ class Net(nn.Module):
     def forward(self, x):
         h = self.first(x)
         if self.straggler:
-            h.register_hook(lambda g: time.sleep(SLEEP_S) or g)
+            h.register_hook(_sleep)
         return self.rest(h)
 
 
 def _train(rank, world_size, prefix, victim, steps=10):
     torch.manual_seed(0)
+    SLEPT_S.clear()
     ddp = minddp.DDP(Net(rank == victim), algorithm="native", bucket_cap_mb=0.005,
                      timeline=prefix)
     for _ in range(steps):
         ddp(torch.randn(8, 32)).square().mean().backward()
     ddp.timeline.save()
-    return ddp.timeline.offset_error_us
+    return sorted(SLEPT_S)[len(SLEPT_S) // 2] if SLEPT_S else None
 
 
 @pytest.mark.parametrize("world_size, victim", [(2, 1), (4, 2), (2, None)],
                          ids=["one-of-2", "one-of-4", "none"])
 def test_diagnose_names_the_straggler(tmp_path, world_size, victim):
     prefix = str(tmp_path / "trace")
-    run_world(_train, world_size, prefix, victim, timeout=120)
+    slept = run_world(_train, world_size, prefix, victim, timeout=120)
     files = sorted(glob.glob(prefix + ".rank*.json"))
     assert len(files) == world_size
     report = diagnose.attribute(diagnose.load(files))
@@ -58,8 +67,9 @@ def test_diagnose_names_the_straggler(tmp_path, world_size, victim):
     named = [it for it, c in report["per_iteration"].items() if c["rank"] == victim]
     assert len(named) >= 9, diagnose.describe(report)  # at least 90% of the iterations
     assert report["blamed"] == [victim], diagnose.describe(report)
-    delay = report["per_rank"][victim]["delay_ms"]
-    assert abs(delay - SLEEP_S * 1e3) <= 0.2 * SLEEP_S * 1e3, diagnose.describe(report)
+    delay, injected = report["per_rank"][victim]["delay_ms"], slept[victim] * 1e3
+    assert injected >= SLEEP_S * 1e3
+    assert abs(delay - injected) <= 0.2 * injected, (injected, diagnose.describe(report))
     out = subprocess.run([sys.executable, "-m", "minddp.diagnose", *files, "--merged",
                           str(tmp_path / "all.json")], capture_output=True, text=True,
                          timeout=60)

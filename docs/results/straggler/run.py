@@ -21,9 +21,10 @@ def main():
     sleep_ms = test_diagnose.SLEEP_S * 1e3
     for world, victim in [(2, 1), (4, 2), (2, None)]:
         folder = tempfile.mkdtemp()
-        run_world(test_diagnose._train, world, folder + "/trace", victim, timeout=120)
+        slept = run_world(test_diagnose._train, world, folder + "/trace", victim, timeout=120)
         files = sorted(glob.glob(folder + "/trace.rank*.json"))
-        injected = f"rank {victim} sleeping {sleep_ms:.0f} ms per backward" if victim else "none"
+        injected = (f"rank {victim} sleeping {sleep_ms:.0f} ms per backward (median slept "
+                    f"{slept[victim] * 1e3:.1f} ms)" if victim else "none")
         print(f"## {world} ranks, injected: {injected}")
         print(diagnose.describe(diagnose.attribute(diagnose.load(files))))
         print()
