@@ -173,12 +173,12 @@ def assign(params, limits, sparse=None):
     return closed
 
 
-def build(params, limits, stamp=False, sparse=None):
+def build(params, limits, stamp=False, sparse=None, zeros=None):
     """Allocate the buckets for `params` (registration order); see `assign`."""
-    return allocate(params, assign(params, limits, sparse), stamp, sparse)
+    return allocate(params, assign(params, limits, sparse), stamp, sparse, zeros)
 
 
-def allocate(params, assignment, stamp=False, sparse=None):
+def allocate(params, assignment, stamp=False, sparse=None, zeros=None):
     """Allocate buckets for `assignment`, lists of indices into `params` (bucket 0
     first, each in its gradients' expected ready order); `sparse[i]` says
     whether parameter i expects a sparse gradient, which must be alone in its
@@ -188,6 +188,8 @@ def allocate(params, assignment, stamp=False, sparse=None):
     more slots behind its buffer (`carrier`): the reducer's step check rides
     there on the bucket's own all-reduce instead of a collective of its own.
     A sparse bucket 0 carries nothing: the step check takes its own collective.
+    zeros(numel, dtype, device), where given, makes the storage (None: torch.zeros):
+    the reduction's `allocate` (reduction.py).
     """
     buckets = []
     for b, indices in enumerate(assignment):
@@ -210,7 +212,9 @@ def allocate(params, assignment, stamp=False, sparse=None):
         # collective of its own).
         extra = (STAMP if stamp and b == 0 and dtype in (torch.float32, torch.float64) and
                  members[0].device.type == "cpu" else 0)
-        storage = torch.zeros(total + extra, dtype=dtype, device=members[0].device)
+        storage = zeros(total + extra, dtype, members[0].device) if zeros else None
+        if storage is None:
+            storage = torch.zeros(total + extra, dtype=dtype, device=members[0].device)
         buckets.append(Bucket(b, list(indices), members, offsets, storage[:total],
                               storage if extra else None))
     return buckets

@@ -187,11 +187,12 @@ class DistributedDataParallel(TorchDDP):
         planned = self._plan_buckets and self.world_size > 1
         limits = (overlap.probe_limits() if planned else
                   self.bucket_bytes_cap_list or bucketing.caps(self.bucket_bytes_cap))
-        buckets = bucketing.build([p for _, p in named], limits, stamp=self.world_size > 1,
-                                  sparse=bucketing.expect_sparse_gradient(self.module, named))
         reduction = compressing.reduction(self.compression, self.engine, self.algorithm, group,
                                           f"algorithm {self.algorithm!r}", self.timeline,
                                           self.world_size)
+        buckets = bucketing.build([p for _, p in named], limits, stamp=self.world_size > 1,
+                                  sparse=bucketing.expect_sparse_gradient(self.module, named),
+                                  zeros=getattr(reduction, "allocate", None))
         device = self.engine.device
         count_used = functools.partial(_sum_on_engine, self.engine, device, "used-map")
         sum_step = functools.partial(_sum_async, self.engine.check_group,

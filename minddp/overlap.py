@@ -303,7 +303,8 @@ def planned_buckets(engine, reducer, device, rank, timeline, ready_times):
     sparse = reducer.expect_sparse  # each alone in its bucket, planned or not
     chosen = plan(reducer.params, *agree(ready_times, link, engine.side_group, engine.device),
                   sparse=sparse)
-    planned = buckets.allocate(reducer.params, chosen.buckets, stamp=True, sparse=sparse)
+    planned = buckets.allocate(reducer.params, chosen.buckets, stamp=True, sparse=sparse,
+                               zeros=getattr(reducer.reduction, "allocate", None))
     reducer.reduction.setup(planned)
     log.debug("minddp (rank %d): buckets planned: %s", rank, chosen.describe())
     if timeline is not None:

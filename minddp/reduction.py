@@ -26,6 +26,8 @@ PowerSGD through `powersgd.PowerSGDReduction`.
                                bucket's device
     reduction.carries_stamp    True: it sums bucket 0's step-check slots with
                                the bucket, exactly (step_check.py)
+    reduction.allocate         where present, allocate(numel, dtype, device) ->
+                               zeros or None: the buckets' storage (shared memory)
 
 Sparse buckets (buckets.py: one parameter whose .grad is sparse) are handed
 over like any other; a comm hook gets the sparse gradient as bucket.buffer(),
@@ -88,6 +90,9 @@ class AlgorithmReduction:
         # would on more ranks: a whole-bucket encoding (native's) rounds the values, a
         # per-hop algorithm has no hop to encode on one rank and leaves them exact.
         self.alone = exact and dist.get_world_size(engine.group) == 1
+        # Where the collective sums a bucket best in storage of its own (shared memory),
+        # the reducer allocates the buckets there.
+        self.allocate = None if self.alone else getattr(collective, "allocate", None)
 
     def setup(self, buckets, provisional=False):
         buffers = [b.carrier if b.carrier is not None else b.buffer for b in dense(buckets)]

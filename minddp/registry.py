@@ -46,6 +46,11 @@ class Algorithm:
                 the communication engine may start from the training thread
     runs_on     runs_on(group) -> bool: whether the group's backend can run it
     bind        bind(group, codec) -> collective: a stateful form (auto's)
+    allocate    allocate(numel, dtype, device, group) -> zeros or None: storage for a
+                bucket it sums in place better than a copy of it (shared memory);
+                local, called on every rank before `setup`
+    setup       setup(buffers, group): every rank together, with the buckets it will
+                sum, before the first (the buffers `allocate` made get linked)
     """
     name: str
     all_reduce: Callable
@@ -55,6 +60,8 @@ class Algorithm:
     launch: Optional[Callable] = None
     runs_on: Optional[Callable] = None
     bind: Optional[Callable] = None
+    allocate: Optional[Callable] = None
+    setup: Optional[Callable] = None
 
     def can_run(self, group):
         return self.runs_on is None or self.runs_on(group)
@@ -82,9 +89,14 @@ class Algorithm:
             return self.bind(group, codec)
         if codec is None:
             if self.launch is None:
-                return _in_place(self.all_reduce, group)
-            run = functools.partial(self.launch, group=group)
-            run.nonblocking = True  # comm.py may start it from the training thread
+                run = _in_place(self.all_reduce, group)
+            else:
+                run = functools.partial(self.launch, group=group)
+                run.nonblocking = True  # comm.py may start it from the training thread
+            if self.allocate is not None:
+                run.allocate = functools.partial(self.allocate, group=group)
+            if self.setup is not None:
+                run.setup = lambda buffers, provisional=False: self.setup(buffers, group)
             return run
         why = self.carries(codec)
         if why is not None:
@@ -195,7 +207,8 @@ def register_algorithm(name, fn=None, auto=True, **richer):
     algorithm=name), algorithm="auto" (unless auto=False), the benchmarks and
     the shared tests all know it. Every rank must register the same
     algorithms. As a decorator: `@register_algorithm("mine")`. Keywords of
-    the richer forms (cost, per_hop, launch, runs_on, bind) are Algorithm's.
+    the richer forms (cost, per_hop, launch, runs_on, bind, allocate, setup) are
+    Algorithm's.
     Returns fn.
     """
     if fn is None:

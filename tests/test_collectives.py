@@ -366,7 +366,10 @@ class _FakeGroup:
 
 
 def test_cost_model_fit_and_choice(caplog, monkeypatch):
-    monkeypatch.setattr(registry.Algorithm, "can_run", lambda self, group: True)  # no backend
+    # No backend: every algorithm runs, but shared memory, which needs the ranks on one host
+    # (its memory-speed formula would win every size over these network costs).
+    monkeypatch.setattr(registry.Algorithm, "can_run",
+                        lambda self, group: self.name != "shared_memory")
     sizes = [4, 1 << 10, 1 << 16, 1 << 20]
     alpha, beta = cost_model.fit(sizes, [50e-6 + s * 1e-9 for s in sizes])
     assert alpha == pytest.approx(50e-6) and beta == pytest.approx(1e-9)
@@ -454,7 +457,8 @@ def _timing_order(rank, world_size):
     calls = []
     chooser._run = lambda name, tensor: calls.append(name)
     chooser.pick(torch.ones(1024))
-    return calls, chooser.names
+    # The timed ones: shared memory is not timed on a bucket this small (its cost says so).
+    return calls, [n for n in chooser.names if n in calls]
 
 
 def test_auto_times_the_candidates_in_a_fresh_order_each_round():
@@ -499,7 +503,7 @@ def _slow_link_rounds(rank, world_size, budget):
     # Rank 1 is the slow one: the ranks must still agree on how many rounds to run.
     chooser._run = lambda name, tensor: calls.append(name) or time.sleep(0.01 * (1 + rank))
     chooser.pick(torch.ones(1024))
-    return len(calls) // len(chooser.names)
+    return len(calls) // len(set(calls))  # rounds of the timed candidates
 
 
 def test_auto_times_fewer_rounds_where_one_round_is_slow():

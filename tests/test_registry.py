@@ -21,8 +21,8 @@ def scratch_registry(monkeypatch):
 
 
 def test_builtins_are_registered_through_the_public_door():
-    assert registry.algorithm_names()[:5] == ["ring", "tree", "halving_doubling", "native",
-                                              "auto"]
+    assert registry.algorithm_names()[:6] == ["ring", "tree", "halving_doubling", "native",
+                                              "shared_memory", "auto"]
     assert registry.codec_names()[:3] == ["fp16", "bf16", "int8"]
     assert minddp.register_algorithm is registry.register_algorithm
     assert minddp.register_codec is registry.register_codec

@@ -10,6 +10,7 @@ error=None)`.
     tree              binary-tree reduce + broadcast, 2 log p steps, pipelined
     halving_doubling  recursive halving + doubling, 2 log p steps, bandwidth-optimal
     native            the backend's all-reduce (gloo / NCCL), asynchronous
+    shared_memory     ranks on one host: reduce-scatter + all-gather through /dev/shm
     auto              per bucket size, the fastest registered one: predicted, then timed
 
 Importing this package registers them, in that order (auto's order of
@@ -19,7 +20,8 @@ preference on a tie). A new one registers itself the same way
 import torch.distributed as dist
 
 from minddp import registry
-from minddp.algorithms import ring, tree, halving_doubling, native, auto  # noqa: F401  (register)
+from minddp.algorithms import (  # noqa: F401  (register)
+    ring, tree, halving_doubling, native, shared_memory, auto)
 
 
 def collective(algorithm, group, codec=None):

@@ -25,6 +25,7 @@ backend's rules), and with a codec only those that put it on every hop. One
 without a cost formula is timed on every size. Every tensor the timing puts
 on the group is on the group's device (devices.group_device).
 """
+import functools
 import logging
 import random
 import time
@@ -245,7 +246,17 @@ def bind(group, codec=None):
 
     def setup(buffers, provisional=False):
         chooser(group, codec).tune(buffers, not provisional)
+        for name in with_buffers:  # e.g. shared memory's: its buckets mapped by the peers
+            registry.algorithm(name).setup(buffers, group)
     collective.setup = setup
+    # Buckets live where a candidate sums them best in place (shared memory: in a file
+    # every rank maps), the first registered that offers storage.
+    with_buffers = [n for n in registry.algorithm_names(auto_only=True)
+                    if codec is None and registry.algorithm(n).setup is not None]
+    allocators = [registry.algorithm(n).allocate for n in with_buffers
+                  if registry.algorithm(n).allocate is not None]
+    if allocators:
+        collective.allocate = functools.partial(allocators[0], group=group)
     return collective
 
 

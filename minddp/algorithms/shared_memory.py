@@ -1,0 +1,314 @@
+"""Shared-memory all-reduce, for ranks on one host: sum through memory every rank maps.
+
+gloo on one machine sends over loopback TCP: every byte of every hop is copied
+into the kernel and out again, and the copies take the CPU the backward needs.
+Ranks on one host can read one another's memory instead. Each rank's tensor
+sits in a file under /dev/shm that every rank has mapped; rank r sums slice r
+of all the ranks' copies into its own (reduce-scatter) and then copies every
+other slice from its owner (all-gather). Small all-reduces on the group order
+the phases, and give the group's timeout to a dead peer (an error, never a
+hang):
+
+    agree    every rank passes the same buffer, offset and size (which mode)
+    written  (only when copied in) every rank's data is in its shared file
+    summed   every slice's owner has added the others' copies into its own
+    read     every rank has copied what it needs: the files may change again
+
+Where the tensor is a bucket the reducer allocated through `allocate` (the
+reduction offers it; reducer.py and buckets.py call it), the bucket already is
+the shared file and nothing is copied in: `setup` maps every peer's copy of
+each bucket once (the wrapper calls it on every rank with the buckets). Any
+other tensor is copied into a scratch file per group first.
+
+Cost for n bytes on p ranks, a bucket: 3 small all-reduces, then the sum of
+one slice from p copies ((p-1)/p n bytes added) and the copy of the others
+((p-1)/p n). Not bandwidth-bound on a network but on memory, so it wins where
+the copies through the kernel cost more than a pass over memory: large
+buckets; the small all-reduces make it lose on small ones.
+Every rank ends bitwise identical: each slice is summed by its owner only.
+"""
+import os
+import uuid
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from minddp import devices, registry
+
+DIRECTORY = "/dev/shm"
+# Below this, the two small all-reduces more than the backend's one cost more than the copies
+# saved (on 2 CPU ranks it lost up to 4 MiB copied in, won from 32 MiB: docs/performance.md),
+# so auto does not time it there and such buckets stay ordinary memory.
+MIN_BYTES = 1 << 20
+_groups = weakref.WeakKeyDictionary()  # group -> _Group
+_pending = {}  # storage address -> (path, nbytes): allocated, not yet mapped by the peers
+
+
+def _boot_id():
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _create(nbytes):
+    """A new file of `nbytes` under DIRECTORY mapped here, as (path, uint8 tensor); None
+    where it cannot be made (no /dev/shm, or too little space left in it: the space
+    is reserved now, so a full /dev/shm fails here and not with a SIGBUS later)."""
+    path = os.path.join(DIRECTORY, f"minddp-{os.getpid()}-{uuid.uuid4().hex}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, max(nbytes, 1))
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        return None
+    os.close(fd)
+    return path, _map(path, max(nbytes, 1))
+
+
+def _map(path, nbytes):
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8, device="cpu")
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class _Group:
+    """What one group shares: whether its ranks can map one another's files, the
+    buckets mapped (this rank's storage address -> the ranks' copies, by rank), a
+    scratch file per rank for other tensors."""
+
+    def __init__(self, group):
+        # Weakly: _groups forgets a group once it is destroyed.
+        self._group, self.rank, self.size = weakref.ref(group), dist.get_rank(group), group.size()
+        self.device = devices.group_device(group)  # the small all-reduces' tensors
+        self.flags = torch.zeros(6, dtype=torch.int64, device=self.device)
+        self.linked, self.next_key = {}, 0
+        self.scratch, self.scratch_bytes = None, 0
+        self.shared = self.size > 1 and self._handshake()
+
+    @property
+    def group(self):
+        return self._group()
+
+    def _handshake(self):
+        """Whether every rank can map every other rank's files (a collective)."""
+        made = _create(64)
+        probe = made[0] if made is not None else None
+        peers = self._exchange((_boot_id(), probe))
+        ok = all(b is not None and b == peers[0][0] and path is not None and
+                 os.path.exists(path) for b, path in peers)
+        ok = self._all(ok)
+        if probe is not None:
+            _unlink(probe)
+        return ok
+
+    def _exchange(self, obj):
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _all(self, ok):
+        """True on every rank when `ok` is true on every rank."""
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return flag.item() == 0
+
+    def link(self, buffers):
+        """Map every rank's copy of those of `buffers` allocated by `allocate` on every
+        rank (a collective: every rank, the same buffers in the same order)."""
+        mine = []
+        for buffer in buffers:
+            storage = buffer.untyped_storage()
+            entry = _pending.get(storage.data_ptr())
+            mine.append(None if entry is None else (entry[0], storage.nbytes()))
+        everyone = self._exchange(mine)
+        maps = []
+        for i, _ in enumerate(buffers):
+            files = [theirs[i] for theirs in everyone]
+            try:
+                maps.append(None if any(f is None or f[1] != files[0][1] for f in files) else
+                            [_map(path, nbytes) for path, nbytes in files])
+            except (OSError, RuntimeError):
+                maps.append(None)
+        ok = torch.tensor([m is None for m in maps], dtype=torch.int64, device=self.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MAX, group=self.group)  # mapped on every rank
+        for buffer, copies, failed in zip(buffers, maps, ok.tolist()):
+            storage = buffer.untyped_storage()
+            if copies is not None and not failed and storage.data_ptr() not in self.linked:
+                copies[self.rank] = None  # our own: the buffer itself
+                self.linked[storage.data_ptr()] = (self.next_key, copies)
+                weakref.finalize(storage, self.linked.pop, storage.data_ptr(), None)
+                self.next_key += 1
+
+    def grow_scratch(self, nbytes):
+        """Scratch files of at least `nbytes` on every rank (a collective)."""
+        made = _create(nbytes)
+        paths = self._exchange(made[0] if made is not None else None)
+        try:
+            copies = [_map(p, nbytes) for p in paths] if None not in paths else None
+        except (OSError, RuntimeError):
+            copies = None
+        ok = self._all(copies is not None)
+        if made is not None:
+            _unlink(made[0])
+        if not ok:
+            raise RuntimeError(
+                f"minddp shared_memory (rank {self.rank}): could not share {nbytes} bytes "
+                f"under {DIRECTORY} with every rank (full?); give /dev/shm more room "
+                f"(docker --shm-size) or choose another algorithm.")
+        self.scratch, self.scratch_bytes = copies, nbytes
+
+
+def _state(group):
+    state = _groups.get(group)
+    if state is None:
+        state = _groups[group] = _Group(group)
+    return state
+
+
+def runs_on(group):
+    """Whether the ranks of `group` (gloo) can map one another's memory: on one host
+    with one /dev/shm. A collective the first time for each group (every rank)."""
+    if devices.backend_of(group) != "gloo":
+        return False
+    return _state(group).shared
+
+
+def allocate(numel, dtype, device, group):
+    """Zeros of `numel` x `dtype` in a shared file, for a bucket this algorithm will sum
+    in place; None where that cannot help (not the CPU, one rank, under MIN_BYTES) or be
+    done. Local:
+    `setup` later maps the peers' copies."""
+    nbytes = numel * torch.empty((), dtype=dtype, device="cpu").element_size()
+    if torch.device(device).type != "cpu" or group.size() == 1 or nbytes < MIN_BYTES:
+        return None
+    made = _create(nbytes)
+    if made is None:
+        return None
+    path, mapped = made
+    tensor = mapped[:nbytes].view(dtype)
+    storage = tensor.untyped_storage()
+    _pending[storage.data_ptr()] = (path, storage.nbytes())
+    # Never mapped by the peers (the wrapper gone before setup): the file goes with it.
+    weakref.finalize(storage, _forget, storage.data_ptr(), path)
+    return tensor
+
+
+def _forget(address, path):
+    if _pending.pop(address, None) is not None:
+        _unlink(path)
+
+
+def setup(buffers, group):
+    """Map the peers' copies of the `buffers` made by `allocate` (every rank, the same
+    buffers: the wrapper's setup of its buckets). Then their files are unlinked: the
+    mappings stay, nothing is left under /dev/shm."""
+    cpu = [b for b in buffers if b.device.type == "cpu"]
+    if devices.backend_of(group) == "gloo" and group.size() > 1 and _state(group).shared:
+        _state(group).link(cpu)
+    for buffer in cpu:
+        entry = _pending.pop(buffer.untyped_storage().data_ptr(), None)
+        if entry is not None:
+            _unlink(entry[0])
+
+
+def all_reduce(tensor, group=None):
+    """In-place sum of `tensor` over `group` (every rank calls it); returns the tensor."""
+    group = group if group is not None else dist.group.WORLD
+    if group.size() == 1 or tensor.numel() == 0:
+        return tensor
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        tensor.copy_(all_reduce(tensor.detach().to("cpu", copy=True).contiguous(), group))
+        return tensor
+    state = _state(group)
+    if not state.shared:
+        raise RuntimeError(
+            f"minddp shared_memory (rank {state.rank}): the ranks of this group cannot map "
+            f"one another's memory (not all on one host, or {DIRECTORY} not shared); "
+            f"choose another algorithm (auto leaves this one out there).")
+    flat = tensor.view(-1)
+    storage = flat.untyped_storage()
+    key, copies = state.linked.get(storage.data_ptr(), (-1, None))
+    offset = flat.data_ptr() - storage.data_ptr()
+    nbytes = flat.numel() * flat.element_size()
+    if copies is None:
+        offset = 0
+    agreed = _agree(state, key, offset, nbytes)
+    if agreed is None or agreed < 0:
+        if state.scratch_bytes < nbytes:
+            state.grow_scratch(nbytes)
+        copies = [c[:nbytes].view(flat.dtype) for c in state.scratch]
+        _copy_in(state, flat, copies)
+        state._all(True)  # written
+    else:
+        copies = [None if c is None else c[offset:offset + nbytes].view(flat.dtype)
+                  for c in copies]
+    _sum_and_gather(state, flat, copies)
+    return tensor
+
+
+def _agree(state, key, offset, nbytes):
+    """The buffer key every rank passes (-1: none is shared); None where they differ
+    in key or offset (then each copies in); raises where they differ in size."""
+    flags = state.flags
+    flags.copy_(torch.tensor([key, offset, nbytes, -key, -offset, -nbytes], device="cpu"))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=state.group)
+    high, low = flags[:3].tolist(), [-v for v in flags[3:].tolist()]
+    if high[2] != low[2]:
+        raise RuntimeError(
+            f"minddp shared_memory (rank {state.rank}): the ranks passed tensors of "
+            f"different sizes ({low[2]} to {high[2]} bytes; this rank {nbytes}); every "
+            f"rank must all-reduce a tensor of the same shape and dtype.")
+    return high[0] if high[:2] == low[:2] else None
+
+
+def _bounds(numel, p):
+    return [(i * numel // p, (i + 1) * numel // p) for i in range(p)]
+
+
+def _copy_in(state, flat, copies):
+    """Our tensor into our scratch copy: the slices the other ranks sum (ours is
+    summed from the tensor itself)."""
+    for j, (lo, hi) in enumerate(_bounds(flat.numel(), state.size)):
+        if j != state.rank:
+            copies[state.rank][lo:hi].copy_(flat[lo:hi])
+
+
+def _sum_and_gather(state, flat, copies):
+    bounds = _bounds(flat.numel(), state.size)
+    lo, hi = bounds[state.rank]
+    own = flat[lo:hi]
+    for j in range(state.size):  # only the owner sums a slice: every rank gets its bits
+        if j != state.rank:
+            own.add_(copies[j][lo:hi])
+    if copies[state.rank] is not None:  # a scratch copy: the others read the sum there
+        copies[state.rank][lo:hi].copy_(own)
+    state._all(True)  # summed
+    for j, (a, b) in enumerate(bounds):
+        if j != state.rank:
+            flat[a:b].copy_(copies[j][a:b])
+    state._all(True)  # read: every rank may write its copy again
+
+
+def cost(nbytes, p, c):
+    """Predicted seconds for a bucket: three small all-reduces (the backend's latency),
+    the owner's sum and the others' copy (each about one add's time per byte); never
+    chosen under MIN_BYTES."""
+    if nbytes < MIN_BYTES:
+        return float("inf")
+    return 3 * c.native_alpha + 2 * (p - 1) / p * nbytes * c.gamma
+
+
+registry.register_algorithm("shared_memory", all_reduce, cost=cost, runs_on=runs_on,
+                            setup=setup, allocate=allocate)

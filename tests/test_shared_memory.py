@@ -1,0 +1,133 @@
+"""algorithm="shared_memory": buckets live in files every rank maps and are summed in place;
+what cannot be shared falls back or says why. (The shared battery, test_battery.py, tests its
+sums like every registered algorithm's; test_faults.py that a dead peer raises.)"""
+import glob
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import minddp
+from dist_harness import run_world
+from minddp.algorithms import shared_memory
+
+
+def _model(width=64):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
+
+
+def _close(a, b):
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+def _left_behind():
+    return glob.glob(os.path.join(shared_memory.DIRECTORY, f"minddp-{os.getpid()}-*"))
+
+
+def _train(rank, world_size, algorithm, as_view):
+    # 1 MiB buckets (shared_memory.MIN_BYTES: smaller ones stay ordinary memory)
+    ddp = minddp.DDP(_model(512), algorithm=algorithm, bucket_cap_mb=1,
+                     gradient_as_bucket_view=as_view)
+    ref = TorchDDP(_model(512), bucket_cap_mb=1)
+    state = shared_memory._groups[ddp.engine.group]
+    linked = [b.buffer.untyped_storage().data_ptr() in state.linked for b in ddp.reducer.buckets]
+    equal, digests = [], []
+    for step in range(3):
+        x = torch.randint(-4, 5, (8, 512), generator=torch.Generator().manual_seed(rank + step))
+        ddp(x.float()).square().sum().backward()
+        ref(x.float()).square().sum().backward()
+        # torch's bits on 2 ranks; on more, sums in another order (as ring's)
+        equal.append(all((torch.equal if world_size == 2 else _close)(a.grad, b.grad)
+                         for a, b in zip(ddp.parameters(), ref.parameters())))
+        digests.append(torch.cat([p.grad.view(-1) for p in ddp.parameters()]).sum().item())
+        if as_view:
+            ddp.zero_grad(set_to_none=False)  # writes into the shared buckets
+            ref.zero_grad(set_to_none=False)
+    return linked, equal, digests, state.scratch is None, _left_behind()
+
+
+@pytest.mark.parametrize("world_size, algorithm, as_view", [
+    (2, "shared_memory", False), (3, "shared_memory", True), (2, "auto", False)])
+def test_buckets_are_shared_and_summed_in_place(world_size, algorithm, as_view):
+    results = run_world(_train, world_size, algorithm, as_view, timeout=120)
+    for linked, equal, digests, no_scratch, left in results:
+        assert len(linked) >= 4 and all(linked), linked  # every bucket mapped by every rank
+        assert equal == [True] * 3  # torch DDP's gradients
+        assert digests == results[0][2]  # the same on every rank
+        # nothing was copied in: the buckets were summed where they are (auto's timing
+        # copies its scratch tensors in)
+        assert no_scratch or algorithm == "auto"
+        assert left == []  # every file unlinked once mapped
+
+
+def _mixed(rank, world_size):
+    """Rank 0 passes a linked buffer, rank 1 a plain tensor: both copy in."""
+    group = dist.group.WORLD
+    numel = shared_memory.MIN_BYTES // 4
+    buffer = shared_memory.allocate(numel, torch.float32, "cpu", group)
+    shared_memory.setup([buffer], group)
+    tensor = buffer if rank == 0 else torch.zeros(numel)
+    tensor.copy_(torch.arange(numel, dtype=torch.float32) * (rank + 1))
+    minddp.all_reduce(tensor, "shared_memory")
+    return torch.equal(tensor, torch.arange(numel, dtype=torch.float32) * 3)
+
+
+def test_a_shared_buffer_on_some_ranks_only_still_sums():
+    assert run_world(_mixed, 2, timeout=60) == [True, True]
+
+
+def _sizes_differ(rank, world_size):
+    try:
+        minddp.all_reduce(torch.ones(4 + rank), "shared_memory")
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_different_sizes_raise_on_every_rank():
+    for rank, error in enumerate(run_world(_sizes_differ, 2, timeout=60)):
+        assert f"(rank {rank})" in error and "different sizes" in error, error
+
+
+def _apart(rank, world_size):
+    """Ranks that cannot map one another's files (as on two hosts): auto leaves the
+    algorithm out and trains, the algorithm named alone says why."""
+    shared_memory._boot_id = lambda: f"host-{rank}"
+    from minddp.algorithms import auto
+    runnable = auto.runnable(dist.group.WORLD)
+    ddp = minddp.DDP(_model(), algorithm="auto")
+    ddp(torch.ones(2, 64)).sum().backward()
+    try:
+        minddp.all_reduce(torch.ones(4), "shared_memory")
+        error = "no error"
+    except RuntimeError as e:
+        error = str(e)
+    return "shared_memory" in runnable, error, _left_behind()
+
+
+def test_ranks_that_cannot_share_are_refused_with_the_fix():
+    for rank, (offered, error, left) in enumerate(run_world(_apart, 2, timeout=120)):
+        assert not offered
+        assert f"(rank {rank})" in error and "choose another algorithm" in error, error
+        assert left == []
+
+
+def _no_room(rank, world_size):
+    """No /dev/shm (or a full one): the buckets stay ordinary memory, auto leaves the
+    algorithm out, the wrapper trains."""
+    shared_memory.DIRECTORY = "/nonexistent-minddp-shm"
+    from minddp.algorithms import auto
+    ddp = minddp.DDP(_model(), algorithm="auto")
+    ddp(torch.ones(2, 64)).sum().backward()
+    return ("shared_memory" in auto.runnable(dist.group.WORLD),
+            [p.grad.sum().item() for p in ddp.parameters()][:1])
+
+
+def test_without_dev_shm_the_wrapper_trains_without_it():
+    (offered0, grad0), (offered1, grad1) = run_world(_no_room, 2, timeout=120)
+    assert not offered0 and not offered1
+    assert grad0 == grad1
