@@ -123,7 +123,7 @@ class Chooser:
     def _time(self, numel, dtype, device, names, predicted_round):
         """Seconds of each of `names` (rows) per round (columns) on a scratch tensor
         of that size on `device`, the slowest rank's, the same on every rank."""
-        scratch = torch.zeros(numel, dtype=dtype, device=device)
+        scratch = self._like_a_bucket(numel, dtype, device)
         # Rounds: as many as fit in ~0.4 s by the model's account, MIN_ROUNDS
         # to 50. Small buckets take well under a millisecond, about as long as
         # the machine's hiccups, so they get the most rounds. A fresh order
@@ -144,6 +144,22 @@ class Chooser:
         agreed = times.to(devices.group_device(self.group))
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         return agreed.cpu()
+
+    def _like_a_bucket(self, numel, dtype, device):
+        """Zeros where the wrapper's buckets of that size would live (a candidate's
+        `allocate`, as bind offers it, set up by every candidate with a `setup`), so a
+        candidate that sums such buckets in place is timed doing that; a collective."""
+        entries = [registry.algorithm(n) for n in self.names] if self.codec is None else []
+        tensor = None
+        for entry in entries:
+            if tensor is None and entry.allocate is not None:
+                tensor = entry.allocate(numel, dtype, device, self.group)
+        if tensor is None:
+            tensor = torch.zeros(numel, dtype=dtype, device=device)
+        for entry in entries:
+            if entry.setup is not None:
+                entry.setup([tensor], self.group)
+        return tensor
 
     def _round(self, scratch, names, order):
         """Seconds of each of `names` (in that order) run once each in `order`, after barriers."""
