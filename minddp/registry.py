@@ -36,7 +36,8 @@ class Algorithm:
     all_reduce  all_reduce(tensor, group) sums `tensor` in place over `group`;
                 every rank of the group calls it with a tensor of the same shape
                 and dtype. With per_hop: all_reduce(tensor, group, codec=None,
-                error=None), routing every hop through the codec (p2p.py's link).
+                error=None), routing every hop through the codec (p2p.py's link;
+                shared_memory.py's slices)
     auto        whether algorithm="auto" times it among its candidates
     cost        cost(nbytes, p, costs) -> predicted seconds (cost_model.Costs);
                 without one, auto times the algorithm on every bucket size

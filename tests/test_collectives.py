@@ -23,9 +23,9 @@ from minddp import registry
 from minddp.algorithms import auto, cost_model, lanes, p2p, ring, tree
 from dist_harness import run_world
 
-# minddp's send/recv algorithms: every registered one that carries codecs on its hops.
-OURS = [n for n in registry.algorithm_names(per_hop_only=True)
-        if registry.algorithm(n).bind is None]
+# minddp's send/recv algorithms (p2p.py), whose send patterns and segments this file checks:
+# not every per-hop one (shared memory carries codecs too, through memory, not messages).
+OURS = [n for n in registry.algorithm_names() if registry.algorithm(n).runs_on is p2p.runs_on]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 
 

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp
 from minddp import registry
+from minddp.algorithms import p2p
 from dist_harness import run_world
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -143,13 +144,14 @@ def test_gradients_match_torch_ddp(world_size, backend, algorithm, compression, 
 
 
 # (algorithm, compression) for minddp.all_reduce on CUDA tensors.
-# Every registered algorithm plain; every codec on the first per-hop algorithm and on
-# every other algorithm that can carry it.
-_PER_HOP = registry.algorithm_names(per_hop_only=True)
+# Every registered algorithm plain; every codec on the first of minddp's send/recv
+# algorithms (they all stage through p2p.py) and on every other algorithm that can carry
+# it, but auto (it runs one of the others).
+_P2P = [a for a in registry.algorithm_names() if registry.algorithm(a).runs_on is p2p.runs_on]
 ALL_REDUCES = ([(a, None) for a in registry.algorithm_names()] +
                [(a, c) for c in registry.codec_names() for a in registry.algorithm_names()
-                if a == _PER_HOP[0] or (a not in _PER_HOP and
-                                        registry.algorithm(a).carries(registry.codec(c)) is None)])
+                if a == _P2P[0] or (a not in _P2P and registry.algorithm(a).bind is None and
+                                    registry.algorithm(a).carries(registry.codec(c)) is None)])
 
 
 def _all_reduces(rank, world_size, backend):

@@ -1,6 +1,7 @@
 """algorithm="shared_memory": buckets live in files every rank maps and are summed in place;
-what cannot be shared falls back or says why. (The shared battery, test_battery.py, tests its
-sums like every registered algorithm's; test_faults.py that a dead peer raises.)"""
+what cannot be shared falls back or says why; codecs ride on it. (The shared battery,
+test_battery.py, tests its sums and codecs like every registered algorithm's; test_faults.py
+that a dead peer raises.)"""
 import glob
 import os
 
@@ -12,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp
 from dist_harness import run_world
+from minddp import algorithms, compression, registry
 from minddp.algorithms import shared_memory
 
 
@@ -78,6 +80,52 @@ def _mixed(rank, world_size):
 
 def test_a_shared_buffer_on_some_ranks_only_still_sums():
     assert run_world(_mixed, 2, timeout=60) == [True, True]
+
+
+def _fp16(rank, world_size):
+    out = []
+    for numel in (1, world_size + 1, 50_001):  # a slice empty, slices of 1 and 2, large ones
+        g = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        exact, magnitude = g.double(), g.abs().double()
+        dist.all_reduce(exact)
+        dist.all_reduce(magnitude)
+        got = minddp.all_reduce(g.clone(), "shared_memory", compression="fp16")
+        out.append((got, exact, magnitude))
+    return out
+
+
+def test_fp16_gives_every_rank_the_same_bits_near_the_exact_sum():
+    results = run_world(_fp16, 3, timeout=60)
+    for i, (got, exact, magnitude) in enumerate(results[0]):
+        assert all(torch.equal(r[i][0], got) for r in results), f"{got.numel()}: ranks differ"
+        # each value is encoded twice, in its rank's slice and in its owner's sum; fp16
+        # rounds each by at most 2^-11 of it (a power-of-two scale: no subnormals here),
+        # and the fp32 adds a little more
+        bound = 2.0 ** -10 * (magnitude + exact.abs())
+        assert ((got.double() - exact).abs() <= bound).all(), got.numel()
+
+
+def _fed_back(rank, world_size):
+    codec = registry.codec("int8")
+    g = torch.randn(5000, generator=torch.Generator().manual_seed(rank))
+    exact = g.double()
+    dist.all_reduce(exact)
+    once = minddp.all_reduce(g.clone(), "shared_memory", compression="int8")
+    fed = compression.ErrorFeedback(
+        algorithms.collective("shared_memory", dist.group.WORLD, codec), codec)
+    total = torch.zeros(5000, dtype=torch.float64)
+    for _ in range(32):
+        total += registry.wait_sum(fed, g.clone()).double()
+    relative = [float((t - exact).norm() / exact.norm()) for t in (once.double(), total / 32)]
+    return relative, total
+
+
+def test_error_feedback_pays_back_what_one_sum_lost():
+    results = run_world(_fed_back, 3, timeout=60)
+    for (one, mean), total in results:
+        assert torch.equal(total, results[0][1])  # ranks alike, sum after sum
+        # what one sum loses comes back with the next ones (as test_battery.py checks)
+        assert 0 < mean < 0.7 * one, (one, mean)
 
 
 def _sizes_differ(rank, world_size):

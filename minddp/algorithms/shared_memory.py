@@ -20,12 +20,20 @@ the shared file and nothing is copied in: `setup` maps every peer's copy of
 each bucket once (the wrapper calls it on every rank with the buckets). Any
 other tensor is copied into a scratch file per group first.
 
-Cost for n bytes on p ranks, a bucket: 3 small all-reduces, then the sum of
-one slice from p copies ((p-1)/p n bytes added) and the copy of the others
-((p-1)/p n). Not bandwidth-bound on a network but on memory, so it wins where
-the copies through the kernel cost more than a pass over memory: large
-buckets; the small all-reduces make it lose on small ones.
-Every rank ends bitwise identical: each slice is summed by its owner only.
+With a codec (compression) the slices travel encoded, through the scratch
+files, as on a per-hop algorithm's hops (p2p.py): rank r writes the wire of
+every slice j != r, slice j's owner decodes and adds them into its fp32 copy
+and writes the sum's wire, which every rank decodes, the owner too. Each rank
+encodes each element once, so error feedback holds (p2p.run's `error`).
+
+Cost for n bytes on p ranks, a bucket: 3 small all-reduces (4 where copied in
+or encoded), then the sum of one slice from p copies ((p-1)/p n bytes added)
+and the copy of the others ((p-1)/p n). Not bandwidth-bound on a network but
+on memory, so it wins where the copies through the kernel cost more than a
+pass over memory: large buckets; the small all-reduces make it lose on small
+ones.
+Every rank ends bitwise identical: each slice is summed by its owner only
+(with a codec, every rank decodes the owner's one wire of it).
 """
 import os
 import uuid
@@ -43,6 +51,7 @@ DIRECTORY = "/dev/shm"
 MIN_BYTES = 1 << 20
 _groups = weakref.WeakKeyDictionary()  # group -> _Group
 _pending = {}  # storage address -> (path, nbytes): allocated, not yet mapped by the peers
+_layouts = weakref.WeakKeyDictionary()  # codec -> {(numel, dtype, p): _layout's}
 
 
 def _boot_id():
@@ -223,13 +232,25 @@ def setup(buffers, group):
             _unlink(entry[0])
 
 
-def all_reduce(tensor, group=None):
-    """In-place sum of `tensor` over `group` (every rank calls it); returns the tensor."""
+def all_reduce(tensor, group=None, codec=None, error=None):
+    """In-place sum of `tensor` over `group` (every rank calls it); returns the tensor.
+
+    With `codec`, every slice travels encoded and `error` (float32, as many elements,
+    contiguous, on the tensor's device) is its error feedback record, as on p2p.py's
+    algorithms (p2p.run)."""
     group = group if group is not None else dist.group.WORLD
+    if error is not None and (codec is None or error.numel() != tensor.numel()):
+        raise ValueError(f"minddp shared_memory all-reduce (rank {group.rank()}): error "
+                         f"feedback needs a codec and a record of {tensor.numel()} elements, "
+                         f"got {error.numel()} with codec {codec!r}")
     if group.size() == 1 or tensor.numel() == 0:
         return tensor
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        tensor.copy_(all_reduce(tensor.detach().to("cpu", copy=True).contiguous(), group))
+        work = tensor.detach().to("cpu", copy=True).contiguous()
+        owed = None if error is None else error.detach().to("cpu", copy=True)
+        tensor.copy_(all_reduce(work, group, codec, owed))
+        if error is not None:  # the encodings happened on the copy: so did their record
+            error.copy_(owed)
         return tensor
     state = _state(group)
     if not state.shared:
@@ -238,10 +259,14 @@ def all_reduce(tensor, group=None):
             f"one another's memory (not all on one host, or {DIRECTORY} not shared); "
             f"choose another algorithm (auto leaves this one out there).")
     flat = tensor.view(-1)
+    nbytes = flat.numel() * flat.element_size()
+    if codec is not None:
+        _agree(state, -1, 0, nbytes)
+        _sum_encoded(state, flat, codec, None if error is None else error.view(-1))
+        return tensor
     storage = flat.untyped_storage()
     key, copies = state.linked.get(storage.data_ptr(), (-1, None))
     offset = flat.data_ptr() - storage.data_ptr()
-    nbytes = flat.numel() * flat.element_size()
     if copies is None:
         offset = 0
     agreed = _agree(state, key, offset, nbytes)
@@ -301,6 +326,72 @@ def _sum_and_gather(state, flat, copies):
     state._all(True)  # read: every rank may write its copy again
 
 
+def _layout(codec, numel, dtype, p):
+    """Where slice j's wire lies in every rank's scratch file: per slice, (offset, bytes,
+    shape, dtype) of each wire tensor, and the bytes of them all. Wire sizes depend only
+    on the slice's size and dtype (registry.Codec), so every rank finds the same layout by
+    encoding zeros, once. Offsets are multiples of 16: a uint8 view at any of them can
+    be viewed as any dtype."""
+    known = _layouts.setdefault(codec, {})
+    if (numel, dtype, p) not in known:
+        layout, end = [], 0
+        for lo, hi in _bounds(numel, p):
+            wire = codec.encode(torch.zeros(hi - lo, dtype=dtype, device="cpu")) if hi > lo else []
+            layout.append([])
+            for w in wire:
+                layout[-1].append((end, w.nbytes, w.shape, w.dtype))
+                end += -(-w.nbytes // 16) * 16
+        known[numel, dtype, p] = layout, end
+    return known[numel, dtype, p]
+
+
+def _encode(codec, view, error, final=False):
+    """`view`'s wire, with its error feedback where there is a record (p2p.Link.wire);
+    `final`: `view` becomes what its wire decodes to, as on every other rank."""
+    if error is not None and codec.compresses(view):
+        return codec.encode_with_feedback(view, error, decode=final)
+    wire = codec.encode(view)
+    if final:
+        codec.decode_(view, wire)
+    return wire
+
+
+def _sum_encoded(state, flat, codec, error):
+    """The sum with every slice encoded where it leaves a rank: rank r writes the wire of
+    each slice j != r into its scratch file; owner r decodes the peers' into its own in
+    rank order and writes the sum's wire, which every rank decodes, r included. Each rank
+    encodes every element once (error feedback's condition: p2p.run)."""
+    layout, nbytes = _layout(codec, flat.numel(), flat.dtype, state.size)
+    if state.scratch_bytes < max(nbytes, 1):
+        state.grow_scratch(max(nbytes, 1))
+    r, files = state.rank, state.scratch
+    bounds = _bounds(flat.numel(), state.size)
+    others = [(j, lo, hi) for j, (lo, hi) in enumerate(bounds) if j != r and hi > lo]
+
+    def wire(k, j):  # slice j's wire in rank k's file
+        return [files[k][o:o + n].view(dtype).view(shape) for o, n, shape, dtype in layout[j]]
+
+    def owed(lo, hi):
+        return None if error is None else error[lo:hi]
+
+    for j, lo, hi in others:
+        for slot, w in zip(wire(r, j), _encode(codec, flat[lo:hi], owed(lo, hi))):
+            slot.copy_(w)
+    state._all(True)  # written
+    lo, hi = bounds[r]
+    if hi > lo:
+        own = flat[lo:hi]
+        for k in range(state.size):
+            if k != r:
+                codec.decode_add_(own, wire(k, r))
+        for slot, w in zip(wire(r, r), _encode(codec, own, owed(lo, hi), final=True)):
+            slot.copy_(w)
+    state._all(True)  # summed
+    for j, lo, hi in others:
+        codec.decode_(flat[lo:hi], wire(j, j))
+    state._all(True)  # read: every rank may write its file again
+
+
 def cost(nbytes, p, c):
     """Predicted seconds for a bucket: three small all-reduces (the backend's latency),
     the owner's sum and the others' copy (each about one add's time per byte); never
@@ -310,5 +401,5 @@ def cost(nbytes, p, c):
     return 3 * c.native_alpha + 2 * (p - 1) / p * nbytes * c.gamma
 
 
-registry.register_algorithm("shared_memory", all_reduce, cost=cost, runs_on=runs_on,
-                            setup=setup, allocate=allocate)
+registry.register_algorithm("shared_memory", all_reduce, cost=cost, per_hop=True,
+                            runs_on=runs_on, setup=setup, allocate=allocate)

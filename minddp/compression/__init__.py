@@ -8,8 +8,8 @@
     powersgd.py   compression="powersgd" or PowerSGD(...): rank-r factors
 
 A codec travels on every hop of a per-hop algorithm (ring, tree,
-halving-doubling, auto): partial sums stay fp32 and every rank ends bitwise
-equal. The whole-bucket compressions (auto, PowerSGD) are Reductions of their
+halving-doubling, shared memory, auto): partial sums stay fp32 and every rank
+ends bitwise equal. The whole-bucket compressions (auto, PowerSGD) are Reductions of their
 own (reduction.py), registered by name here.
 """
 from minddp import algorithms, registry
