@@ -179,3 +179,24 @@ def test_without_dev_shm_the_wrapper_trains_without_it():
     (offered0, grad0), (offered1, grad1) = run_world(_no_room, 2, timeout=120)
     assert not offered0 and not offered1
     assert grad0 == grad1
+
+
+def _full(rank, world_size):
+    """Room for the probe, none for buckets or scratch files (a 64 MiB /dev/shm filled up):
+    every sum goes over gloo instead, on every rank; nothing raises."""
+    create = shared_memory._create
+    shared_memory._create = lambda nbytes: create(nbytes) if nbytes <= 64 else None
+    ddp = minddp.DDP(_model(512), algorithm="shared_memory", bucket_cap_mb=1)
+    ref = TorchDDP(_model(512), bucket_cap_mb=1)
+    x = torch.randint(-4, 5, (8, 512), generator=torch.Generator().manual_seed(rank)).float()
+    ddp(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    same = all(torch.equal(a.grad, b.grad) for a, b in zip(ddp.parameters(), ref.parameters()))
+    values = torch.arange(1 << 19, dtype=torch.float32) * (rank + 1)
+    compression.all_reduce(values, "shared_memory", compression="fp16")
+    near = torch.allclose(values, torch.arange(1 << 19, dtype=torch.float32) * 3, rtol=1e-3)
+    return same, near, shared_memory._groups[dist.group.WORLD].scratch is None
+
+
+def test_without_room_for_the_files_sums_go_over_gloo():
+    assert run_world(_full, 2, timeout=120) == [(True, True, True)] * 2

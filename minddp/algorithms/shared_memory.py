@@ -35,6 +35,7 @@ ones.
 Every rank ends bitwise identical: each slice is summed by its owner only
 (with a codec, every rank decodes the owner's one wire of it).
 """
+import logging
 import os
 import uuid
 import weakref
@@ -43,6 +44,9 @@ import torch
 import torch.distributed as dist
 
 from minddp import devices, registry
+from minddp.algorithms import native, ring  # where /dev/shm has no room for a scratch file
+
+log = logging.getLogger("minddp.algorithms")
 
 DIRECTORY = "/dev/shm"
 # Below this, the two small all-reduces more than the backend's one cost more than the copies
@@ -107,6 +111,7 @@ class _Group:
         self.gathered = [torch.zeros_like(self.flags) for _ in range(self.size)]
         self.linked, self.next_key = {}, 0
         self.scratch, self.scratch_bytes = None, 0
+        self.no_room = float("inf")  # the smallest scratch size a rank had no room for
         self.shared = self.size > 1 and self._handshake()
 
     @property
@@ -164,7 +169,12 @@ class _Group:
                 self.next_key += 1
 
     def grow_scratch(self, nbytes):
-        """Scratch files of at least `nbytes` on every rank (a collective)."""
+        """Scratch files of at least `nbytes` on every rank (a collective): True where
+        they are (on every rank), False where a rank had no room for them."""
+        if self.scratch_bytes >= nbytes:
+            return True
+        if nbytes >= self.no_room:  # the same answer as last time, on every rank
+            return False
         made = _create(nbytes)
         paths = self._exchange(made[0] if made is not None else None)
         try:
@@ -175,11 +185,14 @@ class _Group:
         if made is not None:
             _unlink(made[0])
         if not ok:
-            raise RuntimeError(
-                f"minddp shared_memory (rank {self.rank}): could not share {nbytes} bytes "
-                f"under {DIRECTORY} with every rank (full?); give /dev/shm more room "
-                f"(docker --shm-size) or choose another algorithm.")
+            self.no_room = nbytes
+            log.warning("minddp shared_memory (rank %d): no room for %d more bytes under %s "
+                        "on some rank; tensors that are not shared buckets go over gloo "
+                        "instead (give /dev/shm more room: docker --shm-size)",
+                        self.rank, nbytes, DIRECTORY)
+            return False
         self.scratch, self.scratch_bytes = copies, nbytes
+        return True
 
 
 def _state(group):
@@ -274,8 +287,8 @@ def all_reduce(tensor, group=None, codec=None, error=None):
         offset = 0
     agreed = _agree(state, key, offset, nbytes)
     if agreed is None or agreed < 0:
-        if state.scratch_bytes < nbytes:
-            state.grow_scratch(nbytes)
+        if not state.grow_scratch(nbytes):
+            return native.all_reduce(tensor, group)
         copies = [c[:nbytes].view(flat.dtype) for c in state.scratch]
         _copy_in(state, flat, copies)
         state._all(True)  # written
@@ -365,8 +378,9 @@ def _sum_encoded(state, flat, codec, error):
     rank order and writes the sum's wire, which every rank decodes, r included. Each rank
     encodes every element once (error feedback's condition: p2p.run)."""
     layout, nbytes = _layout(codec, flat.numel(), flat.dtype, state.size)
-    if state.scratch_bytes < max(nbytes, 1):
-        state.grow_scratch(max(nbytes, 1))
+    if not state.grow_scratch(max(nbytes, 1)):
+        ring.all_reduce(flat, state.group, codec, error)
+        return
     r, files = state.rank, state.scratch
     bounds = _bounds(flat.numel(), state.size)
     others = [(j, lo, hi) for j, (lo, hi) in enumerate(bounds) if j != r and hi > lo]
