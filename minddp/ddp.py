@@ -32,7 +32,7 @@ from minddp import overlap
 from minddp.devices import group_device
 from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_model
 from minddp.reducer import Phase, Reducer
-from minddp.reduction import HookReduction
+from minddp.reduction import HookReduction, bucket_storage
 from minddp.replicas import DEFAULT_INTERVAL, ReplicaCheck, interval_of
 from minddp.timeline import align as align_clocks
 from minddp.timeline import from_environment
@@ -192,7 +192,7 @@ class DistributedDataParallel(TorchDDP):
                                           self.world_size)
         buckets = bucketing.build([p for _, p in named], limits, stamp=self.world_size > 1,
                                   sparse=bucketing.expect_sparse_gradient(self.module, named),
-                                  zeros=getattr(reduction, "allocate", None))
+                                  zeros=bucket_storage(reduction, self.gradient_as_bucket_view))
         device = self.engine.device
         count_used = functools.partial(_sum_on_engine, self.engine, device, "used-map")
         sum_step = functools.partial(_sum_async, self.engine.check_group,

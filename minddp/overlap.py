@@ -44,7 +44,7 @@ from minddp.algorithms.cost_model import fit, interleaved
 from minddp import buckets
 from minddp.algorithms import native
 from minddp.buckets import FIRST_BUCKET_BYTES
-from minddp.reduction import setup_collective
+from minddp.reduction import bucket_storage, setup_collective
 from minddp.devices import barrier
 
 log = logging.getLogger("minddp.overlap")
@@ -304,7 +304,7 @@ def planned_buckets(engine, reducer, device, rank, timeline, ready_times):
     chosen = plan(reducer.params, *agree(ready_times, link, engine.side_group, engine.device),
                   sparse=sparse)
     planned = buckets.allocate(reducer.params, chosen.buckets, stamp=True, sparse=sparse,
-                               zeros=getattr(reducer.reduction, "allocate", None))
+                               zeros=bucket_storage(reducer.reduction, reducer.as_view))
     reducer.reduction.setup(planned)
     log.debug("minddp (rank %d): buckets planned: %s", rank, chosen.describe())
     if timeline is not None:

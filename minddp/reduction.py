@@ -49,6 +49,13 @@ def setup_collective(engine, collective, buffers, provisional=False):
         engine.run(setup, buffers, provisional, label="setup")
 
 
+def bucket_storage(reduction, as_view):
+    """Where the buckets' storage comes from (buckets.allocate's zeros): the reduction's
+    (shared memory), unless .grad will be a view of a bucket (gradient_as_bucket_view),
+    which stays an ordinary tensor: picklable through torch.multiprocessing, not shared."""
+    return None if as_view else getattr(reduction, "allocate", None)
+
+
 def dense(buckets):
     """The buckets (buckets.Bucket) minddp's own reductions sum: all but the sparse ones."""
     return [b for b in buckets if not b.sparse]

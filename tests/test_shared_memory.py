@@ -49,20 +49,25 @@ def _train(rank, world_size, algorithm, as_view):
         if as_view:
             ddp.zero_grad(set_to_none=False)  # writes into the shared buckets
             ref.zero_grad(set_to_none=False)
-    return linked, equal, digests, state.scratch is None, _left_behind()
+    shared_grads = any(p.grad.is_shared() for p in ddp.parameters())
+    return linked, equal, digests, state.scratch is None, _left_behind(), shared_grads
 
 
 @pytest.mark.parametrize("world_size, algorithm, as_view", [
     (2, "shared_memory", False), (3, "shared_memory", True), (2, "auto", False)])
 def test_buckets_are_shared_and_summed_in_place(world_size, algorithm, as_view):
     results = run_world(_train, world_size, algorithm, as_view, timeout=120)
-    for linked, equal, digests, no_scratch, left in results:
-        assert len(linked) >= 4 and all(linked), linked  # every bucket mapped by every rank
+    for linked, equal, digests, no_scratch, left, shared_grads in results:
+        assert not shared_grads  # .grad is never a view of a shared file
+        assert len(linked) >= 4, linked
+        # every bucket mapped by every rank; with gradient_as_bucket_view .grad is a view of
+        # its bucket, which stays ordinary memory (pickled through torch.multiprocessing)
+        assert all(linked) if not as_view else not any(linked), linked
         assert equal == [True] * 3  # torch DDP's gradients
         assert digests == results[0][2]  # the same on every rank
         # nothing was copied in: the buckets were summed where they are (and auto timed
         # the algorithm on storage like theirs)
-        assert no_scratch
+        assert no_scratch or as_view
         assert left == []  # every file unlinked once mapped
 
 

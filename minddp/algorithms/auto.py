@@ -261,9 +261,11 @@ def bind(group, codec=None):
         return run(tensor) if error is None else run(tensor, error=error)
 
     def setup(buffers, provisional=False):
-        chooser(group, codec).tune(buffers, not provisional)
-        for name in with_buffers:  # e.g. shared memory's: its buckets mapped by the peers
+        # First: shared memory's buckets are mapped by the peers and their files unlinked
+        # before seconds of timing, in which a crash would leave the files behind.
+        for name in with_buffers:
             registry.algorithm(name).setup(buffers, group)
+        chooser(group, codec).tune(buffers, not provisional)
     collective.setup = setup
     # Buckets live where a candidate sums them best in place (shared memory: in a file
     # every rank maps), the first registered that offers storage.

@@ -53,6 +53,7 @@ DIRECTORY = "/dev/shm"
 # saved (on 2 CPU ranks it lost up to 4 MiB copied in, won from 32 MiB: docs/performance.md),
 # so auto does not time it there and such buckets stay ordinary memory.
 MIN_BYTES = 1 << 20
+HEADROOM, HEADROOM_BYTES = 0.25, 256 << 20  # of /dev/shm left free (_room_for)
 _groups = weakref.WeakKeyDictionary()  # group -> _Group
 _pending = {}  # storage address -> (path, nbytes): allocated, not yet mapped by the peers
 _layouts = weakref.WeakKeyDictionary()  # codec -> {(numel, dtype, p): _layout's}
@@ -66,10 +67,24 @@ def _boot_id():
         return None
 
 
+def _room_for(nbytes):
+    """Whether DIRECTORY keeps HEADROOM of its size (at least HEADROOM_BYTES) free after
+    `nbytes` more: DataLoader workers and torch.multiprocessing share tensors there too,
+    and a small /dev/shm (Docker's 64 MiB) is left to them."""
+    try:
+        fs = os.statvfs(DIRECTORY)
+    except OSError:
+        return False
+    free, size = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+    return free - nbytes >= max(HEADROOM * size, HEADROOM_BYTES)
+
+
 def _create(nbytes):
     """A new file of `nbytes` under DIRECTORY mapped here, as (path, uint8 tensor); None
     where it cannot be made (no /dev/shm, or too little space left in it: the space
     is reserved now, so a full /dev/shm fails here and not with a SIGBUS later)."""
+    if nbytes > 64 and not _room_for(nbytes):
+        return None
     path = os.path.join(DIRECTORY, f"minddp-{os.getpid()}-{uuid.uuid4().hex}")
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -122,13 +137,14 @@ class _Group:
         """Whether every rank can map every other rank's files (a collective)."""
         made = _create(64)
         probe = made[0] if made is not None else None
-        peers = self._exchange((_boot_id(), probe))
-        ok = all(b is not None and b == peers[0][0] and path is not None and
-                 os.path.exists(path) for b, path in peers)
-        ok = self._all(ok)
-        if probe is not None:
-            _unlink(probe)
-        return ok
+        try:
+            peers = self._exchange((_boot_id(), probe))
+            ok = all(b is not None and b == peers[0][0] and path is not None and
+                     os.path.exists(path) for b, path in peers)
+            return self._all(ok)
+        finally:  # also where a peer died: nothing left under /dev/shm
+            if probe is not None:
+                _unlink(probe)
 
     def _exchange(self, obj):
         out = [None] * self.size
@@ -176,20 +192,22 @@ class _Group:
         if nbytes >= self.no_room:  # the same answer as last time, on every rank
             return False
         made = _create(nbytes)
-        paths = self._exchange(made[0] if made is not None else None)
         try:
-            copies = [_map(p, nbytes) for p in paths] if None not in paths else None
-        except (OSError, RuntimeError):
-            copies = None
-        ok = self._all(copies is not None)
-        if made is not None:
-            _unlink(made[0])
+            paths = self._exchange(made[0] if made is not None else None)
+            try:
+                copies = [_map(p, nbytes) for p in paths] if None not in paths else None
+            except (OSError, RuntimeError):
+                copies = None
+            ok = self._all(copies is not None)
+        finally:  # also where a peer died: nothing left under /dev/shm
+            if made is not None:
+                _unlink(made[0])
         if not ok:
             self.no_room = nbytes
             log.warning("minddp shared_memory (rank %d): no room for %d more bytes under %s "
-                        "on some rank; tensors that are not shared buckets go over gloo "
-                        "instead (give /dev/shm more room: docker --shm-size)",
-                        self.rank, nbytes, DIRECTORY)
+                        "on some rank (%.0f%% of it is kept free); tensors that are not "
+                        "shared buckets go over gloo instead (give /dev/shm more room: "
+                        "docker --shm-size)", self.rank, nbytes, DIRECTORY, HEADROOM * 100)
             return False
         self.scratch, self.scratch_bytes = copies, nbytes
         return True
@@ -231,8 +249,9 @@ def allocate(numel, dtype, device, group):
 
 
 def _forget(address, path):
-    if _pending.pop(address, None) is not None:
-        _unlink(path)
+    if _pending.get(address, (None,))[0] == path:  # not a later buffer at a reused address
+        del _pending[address]
+    _unlink(path)
 
 
 def setup(buffers, group):
