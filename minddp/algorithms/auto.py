@@ -149,16 +149,13 @@ class Chooser:
         """Zeros where the wrapper's buckets of that size would live (a candidate's
         `allocate`, as bind offers it, set up by every candidate with a `setup`), so a
         candidate that sums such buckets in place is timed doing that; a collective."""
-        entries = [registry.algorithm(n) for n in self.names] if self.codec is None else []
-        tensor = None
-        for entry in entries:
-            if tensor is None and entry.allocate is not None:
-                tensor = entry.allocate(numel, dtype, device, self.group)
+        entries = with_buffers(self.names, self.codec)
+        allocate = first_allocate(entries)
+        tensor = None if allocate is None else allocate(numel, dtype, device, self.group)
         if tensor is None:
             tensor = torch.zeros(numel, dtype=dtype, device=device)
         for entry in entries:
-            if entry.setup is not None:
-                entry.setup([tensor], self.group)
+            entry.setup([tensor], self.group)
         return tensor
 
     def _round(self, scratch, names, order):
@@ -260,22 +257,32 @@ def bind(group, codec=None):
         run = picker.collectives[picker.pick(tensor)]
         return run(tensor) if error is None else run(tensor, error=error)
 
+    entries = with_buffers(registry.algorithm_names(auto_only=True), codec)
+
     def setup(buffers, provisional=False):
         # First: shared memory's buckets are mapped by the peers and their files unlinked
         # before seconds of timing, in which a crash would leave the files behind.
-        for name in with_buffers:
-            registry.algorithm(name).setup(buffers, group)
+        for entry in entries:
+            entry.setup(buffers, group)
         chooser(group, codec).tune(buffers, not provisional)
     collective.setup = setup
-    # Buckets live where a candidate sums them best in place (shared memory: in a file
-    # every rank maps), the first registered that offers storage.
-    with_buffers = [n for n in registry.algorithm_names(auto_only=True)
-                    if codec is None and registry.algorithm(n).setup is not None]
-    allocators = [registry.algorithm(n).allocate for n in with_buffers
-                  if registry.algorithm(n).allocate is not None]
-    if allocators:
-        collective.allocate = functools.partial(allocators[0], group=group)
+    allocate = first_allocate(entries)
+    if allocate is not None:
+        collective.allocate = functools.partial(allocate, group=group)
     return collective
+
+
+def with_buffers(names, codec=None):
+    """Those of the algorithms `names` that set up the buckets they sum (Algorithm.setup;
+    none with a codec, whose wire is not the bucket)."""
+    entries = [registry.algorithm(n) for n in names] if codec is None else []
+    return [e for e in entries if e.setup is not None]
+
+
+def first_allocate(entries):
+    """Where buckets live: the first of `entries` that offers storage (shared memory: a
+    file every rank maps, summed in place), or None."""
+    return next((e.allocate for e in entries if e.allocate is not None), None)
 
 
 def all_reduce(tensor, group=None, codec=None, error=None):

@@ -91,6 +91,15 @@ def runs_on(group):
     return devices.backend_of(group) == "gloo" or devices.is_device_backend(group)
 
 
+def check_record(algorithm, rank, tensor, codec, error):
+    """Raise unless `error` (error feedback's record, or None) fits `tensor` and `codec`:
+    every per-hop algorithm's rule (run's `error`)."""
+    if error is not None and (codec is None or error.numel() != tensor.numel()):
+        raise ValueError(f"minddp {algorithm} all-reduce (rank {rank}): error feedback needs a "
+                         f"codec and a record of {tensor.numel()} elements, got "
+                         f"{error.numel()} with codec {codec!r}")
+
+
 def run(algorithm, body, tensor, group, codec=None, segment_bytes=None, error=None):
     """Sum `tensor` in place over `group` with `body(link)`; return the tensor.
 
@@ -115,10 +124,7 @@ def run(algorithm, body, tensor, group, codec=None, segment_bytes=None, error=No
         return tensor
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     opened = lanes.is_open(group)
-    if error is not None and (codec is None or error.numel() != tensor.numel()):
-        raise ValueError(f"minddp {algorithm} all-reduce (rank {rank}): error feedback needs a "
-                         f"codec and a record of {tensor.numel()} elements, got "
-                         f"{None if error is None else error.numel()} with codec {codec!r}")
+    check_record(algorithm, rank, tensor, codec, error)
     _reduce(algorithm, body, _flat(work), group, codec, segment_bytes, rank, size, backend,
             error)
     if work is not tensor:

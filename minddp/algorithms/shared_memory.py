@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from minddp import devices, registry
-from minddp.algorithms import native, ring  # where /dev/shm has no room for a scratch file
+from minddp.algorithms import native, p2p, ring  # native, ring: where /dev/shm has no room
 
 log = logging.getLogger("minddp.algorithms")
 
@@ -125,37 +125,48 @@ class _Group:
         self.flags = torch.zeros(3, dtype=torch.int64, device=self.device)
         self.gathered = [torch.zeros_like(self.flags) for _ in range(self.size)]
         self.linked, self.next_key = {}, 0
-        self.scratch, self.scratch_bytes = None, 0
+        self.scratch = None  # a file per rank, mapped here, for tensors that are not buckets
         self.no_room = float("inf")  # the smallest scratch size a rank had no room for
-        self.shared = self.size > 1 and self._handshake()
+        self.shared = self.size > 1 and self._map_everyone(64) is not None
 
     @property
     def group(self):
         return self._group()
 
-    def _handshake(self):
-        """Whether every rank can map every other rank's files (a collective)."""
-        made = _create(64)
-        probe = made[0] if made is not None else None
+    def _map_everyone(self, nbytes):
+        """Every rank makes a file of `nbytes` and maps every rank's (a collective): the
+        mappings by rank, or None on every rank where some rank could not (another host:
+        another boot id; another /dev/shm; no room). The files are unlinked after, also
+        where a peer died meanwhile: nothing is left under /dev/shm."""
+        made = _create(nbytes)
         try:
-            peers = self._exchange((_boot_id(), probe))
-            ok = all(b is not None and b == peers[0][0] and path is not None and
-                     os.path.exists(path) for b, path in peers)
-            return self._all(ok)
-        finally:  # also where a peer died: nothing left under /dev/shm
-            if probe is not None:
-                _unlink(probe)
+            peers = self._exchange((_boot_id(), made[0] if made is not None else None))
+            try:
+                copies = ([_map(path, nbytes) for _, path in peers]
+                          if all(b is not None and b == peers[0][0] and path is not None
+                                 for b, path in peers) else None)
+            except (OSError, RuntimeError):
+                copies = None
+            return copies if self._all([copies is not None])[0] else None
+        finally:
+            if made is not None:
+                _unlink(made[0])
 
     def _exchange(self, obj):
         out = [None] * self.size
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def _all(self, ok):
-        """True on every rank when `ok` is true on every rank."""
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return flag.item() == 0
+    def _all(self, oks):
+        """For each of `oks`: True on every rank when it is true on every rank."""
+        flags = torch.tensor([0 if ok else 1 for ok in oks], dtype=torch.int64,
+                             device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return [flag == 0 for flag in flags.tolist()]
+
+    def barrier(self):
+        """Every rank has come this far (orders the phases of a sum)."""
+        self._all([True])
 
     def link(self, buffers):
         """Map every rank's copy of those of `buffers` allocated by `allocate` on every
@@ -174,11 +185,10 @@ class _Group:
                             [_map(path, nbytes) for path, nbytes in files])
             except (OSError, RuntimeError):
                 maps.append(None)
-        ok = torch.tensor([m is None for m in maps], dtype=torch.int64, device=self.device)
-        dist.all_reduce(ok, op=dist.ReduceOp.MAX, group=self.group)  # mapped on every rank
-        for buffer, copies, failed in zip(buffers, maps, ok.tolist()):
+        everywhere = self._all([m is not None for m in maps])  # mapped on every rank
+        for buffer, copies, ok in zip(buffers, maps, everywhere):
             storage = buffer.untyped_storage()
-            if copies is not None and not failed and storage.data_ptr() not in self.linked:
+            if ok and storage.data_ptr() not in self.linked:
                 copies[self.rank] = None  # our own: the buffer itself
                 self.linked[storage.data_ptr()] = (self.next_key, copies)
                 weakref.finalize(storage, self.linked.pop, storage.data_ptr(), None)
@@ -187,29 +197,19 @@ class _Group:
     def grow_scratch(self, nbytes):
         """Scratch files of at least `nbytes` on every rank (a collective): True where
         they are (on every rank), False where a rank had no room for them."""
-        if self.scratch_bytes >= nbytes:
+        if self.scratch is not None and self.scratch[0].numel() >= nbytes:
             return True
         if nbytes >= self.no_room:  # the same answer as last time, on every rank
             return False
-        made = _create(nbytes)
-        try:
-            paths = self._exchange(made[0] if made is not None else None)
-            try:
-                copies = [_map(p, nbytes) for p in paths] if None not in paths else None
-            except (OSError, RuntimeError):
-                copies = None
-            ok = self._all(copies is not None)
-        finally:  # also where a peer died: nothing left under /dev/shm
-            if made is not None:
-                _unlink(made[0])
-        if not ok:
+        copies = self._map_everyone(nbytes)
+        if copies is None:
             self.no_room = nbytes
             log.warning("minddp shared_memory (rank %d): no room for %d more bytes under %s "
                         "on some rank (%.0f%% of it is kept free); tensors that are not "
                         "shared buckets go over gloo instead (give /dev/shm more room: "
                         "docker --shm-size)", self.rank, nbytes, DIRECTORY, HEADROOM * 100)
             return False
-        self.scratch, self.scratch_bytes = copies, nbytes
+        self.scratch = copies
         return True
 
 
@@ -274,10 +274,7 @@ def all_reduce(tensor, group=None, codec=None, error=None):
     contiguous, on the tensor's device) is its error feedback record, as on p2p.py's
     algorithms (p2p.run)."""
     group = group if group is not None else dist.group.WORLD
-    if error is not None and (codec is None or error.numel() != tensor.numel()):
-        raise ValueError(f"minddp shared_memory all-reduce (rank {group.rank()}): error "
-                         f"feedback needs a codec and a record of {tensor.numel()} elements, "
-                         f"got {error.numel()} with codec {codec!r}")
+    p2p.check_record("shared_memory", group.rank(), tensor, codec, error)
     if group.size() == 1 or tensor.numel() == 0:
         return tensor
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -310,7 +307,7 @@ def all_reduce(tensor, group=None, codec=None, error=None):
             return native.all_reduce(tensor, group)
         copies = [c[:nbytes].view(flat.dtype) for c in state.scratch]
         _copy_in(state, flat, copies)
-        state._all(True)  # written
+        state.barrier()  # written
     else:
         copies = [None if c is None else c[offset:offset + nbytes].view(flat.dtype)
                   for c in copies]
@@ -354,11 +351,11 @@ def _sum_and_gather(state, flat, copies):
             own.add_(copies[j][lo:hi])
     if copies[state.rank] is not None:  # a scratch copy: the others read the sum there
         copies[state.rank][lo:hi].copy_(own)
-    state._all(True)  # summed
+    state.barrier()  # summed
     for j, (a, b) in enumerate(bounds):
         if j != state.rank:
             flat[a:b].copy_(copies[j][a:b])
-    state._all(True)  # read: every rank may write its copy again
+    state.barrier()  # read: every rank may write its copy again
 
 
 def _layout(codec, numel, dtype, p):
@@ -413,7 +410,7 @@ def _sum_encoded(state, flat, codec, error):
     for j, lo, hi in others:
         for slot, w in zip(wire(r, j), _encode(codec, flat[lo:hi], owed(lo, hi))):
             slot.copy_(w)
-    state._all(True)  # written
+    state.barrier()  # written
     lo, hi = bounds[r]
     if hi > lo:
         own = flat[lo:hi]
@@ -422,10 +419,10 @@ def _sum_encoded(state, flat, codec, error):
                 codec.decode_add_(own, wire(k, r))
         for slot, w in zip(wire(r, r), _encode(codec, own, owed(lo, hi), final=True)):
             slot.copy_(w)
-    state._all(True)  # summed
+    state.barrier()  # summed
     for j, lo, hi in others:
         codec.decode_(flat[lo:hi], wire(j, j))
-    state._all(True)  # read: every rank may write its file again
+    state.barrier()  # read: every rank may write its file again
 
 
 def cost(nbytes, p, c):
