@@ -28,6 +28,8 @@ inline c10::SymInt int8_blocks(const c10::SymInt& n) {
 }
 
 std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& src, at::ScalarType dtype);
+std::tuple<at::Tensor&, at::Tensor&> compress_out_cpu(const at::Tensor& src, at::ScalarType dtype,
+                                                      at::Tensor& packed, at::Tensor& scale);
 std::tuple<at::Tensor, at::Tensor> compress_with_feedback_cpu(at::Tensor& src, at::ScalarType dtype,
                                                          at::Tensor& error, bool decode);
 at::Tensor decompress_cpu(const at::Tensor& packed, const at::Tensor& scale);
@@ -37,6 +39,8 @@ at::Tensor& decompress_add_cpu(at::Tensor& dst, const at::Tensor& packed, const 
 // Meta (compress_meta.cpp): the same checks, and outputs with the kernels' shapes, dtypes and
 // strides but no data; FakeTensor runs these, so torch.compile can trace the ops.
 std::tuple<at::Tensor, at::Tensor> compress_meta(const at::Tensor& src, at::ScalarType dtype);
+std::tuple<at::Tensor&, at::Tensor&> compress_out_meta(const at::Tensor& src, at::ScalarType dtype,
+                                                       at::Tensor& packed, at::Tensor& scale);
 std::tuple<at::Tensor, at::Tensor> compress_with_feedback_meta(at::Tensor& src, at::ScalarType dtype,
                                                           at::Tensor& error, bool decode);
 at::Tensor decompress_meta(const at::Tensor& packed, const at::Tensor& scale);
@@ -45,6 +49,8 @@ at::Tensor& decompress_add_meta(at::Tensor& dst, const at::Tensor& packed, const
 
 #ifdef MINDDP_WITH_CUDA
 std::tuple<at::Tensor, at::Tensor> compress_cuda(const at::Tensor& src, at::ScalarType dtype);
+std::tuple<at::Tensor&, at::Tensor&> compress_out_cuda(const at::Tensor& src, at::ScalarType dtype,
+                                                       at::Tensor& packed, at::Tensor& scale);
 std::tuple<at::Tensor, at::Tensor> compress_with_feedback_cuda(at::Tensor& src, at::ScalarType dtype,
                                                           at::Tensor& error, bool decode);
 at::Tensor decompress_cuda(const at::Tensor& packed, const at::Tensor& scale);
@@ -61,6 +67,32 @@ inline void check_compress_args(const at::Tensor& src, at::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kChar,
               "minddp.compress: dtype must be torch.float16, torch.bfloat16 or torch.int8, "
               "got ", dtype);
+}
+
+// How many scales compress gives src's n values: int8 one per block, the 16-bit formats one.
+template <typename N>
+N compress_scales(const N& n, at::ScalarType dtype) {
+  return dtype == at::kChar ? int8_blocks(n) : N(1);
+}
+
+// compress.out: where compress would allocate, buffers of the shapes it would give (a slot
+// in a file every rank maps, for the shared-memory all-reduce).
+inline void check_compress_out_args(const at::Tensor& src, at::ScalarType dtype,
+                                    const at::Tensor& packed, const at::Tensor& scale) {
+  check_compress_args(src, dtype);
+  TORCH_CHECK(packed.scalar_type() == dtype && packed.is_contiguous() &&
+              packed.sym_numel() == src.sym_numel() && packed.device() == src.device(),
+              "minddp.compress.out: packed must be a contiguous ", dtype, " tensor of src's ",
+              num(src.sym_numel()), " elements on ", src.device(), ", got ",
+              packed.scalar_type(), " with ", num(packed.sym_numel()), " elements on ",
+              packed.device());
+  const c10::SymInt scales = compress_scales(src.sym_numel(), dtype);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+              scale.sym_numel() == scales && scale.device() == src.device(),
+              "minddp.compress.out: scale must be a contiguous float32 tensor of ", num(scales),
+              " element(s) on ", src.device(), " (as compress returns it), got ",
+              scale.scalar_type(), " with ", num(scale.sym_numel()), " elements on ",
+              scale.device());
 }
 
 // compress_with_feedback: int8 only (the codec that error feedback serves), and an error

@@ -88,12 +88,10 @@ void int8_record(const signed char* p, int64_t n, float scale, const float* fed,
 // its values packed while the block is in L1. With error feedback
 // (compress_with_feedback) the block packed is the values minus their error, and
 // the error becomes what packing it changed, in the same visit.
-std::tuple<at::Tensor, at::Tensor> compress_int8(const at::Tensor& src, float* error = nullptr,
-                                                 bool decode = false) {
+void compress_int8(const at::Tensor& src, at::Tensor& packed, at::Tensor& scale,
+                   float* error = nullptr, bool decode = false) {
   float* x = src.data_ptr<float>();
   const int64_t n = src.numel(), blocks = int8_blocks(n);
-  at::Tensor packed = at::empty(src.sizes(), src.options().dtype(at::kChar));
-  at::Tensor scale = at::empty({blocks}, src.options());
   auto* out = reinterpret_cast<signed char*>(packed.data_ptr());
   float* scales = scale.data_ptr<float>();
   at::parallel_for(0, blocks, kGrain / kInt8Block, [&](int64_t b0, int64_t b1) {
@@ -109,7 +107,6 @@ std::tuple<at::Tensor, at::Tensor> compress_int8(const at::Tensor& src, float* e
       int8_record(out + begin, len, scales[b], fed, error + begin, decode ? x + begin : nullptr);
     }
   });
-  return {packed, scale};
 }
 
 template <bool ADD>
@@ -140,21 +137,17 @@ template <bool ADD> void unpack(const at::Tensor& packed, const at::Tensor& scal
   });
 }
 
-}  // namespace
 
 // One pass in the common case: each 64 KiB block is packed right after its
 // maximum is taken, while it is still in cache, with the scale of the largest
 // magnitude seen so far by any thread. A block packed before a larger value
 // turned up is packed again at the end with the final scale, so the result
 // is exactly the two-pass one; at worst (growing magnitudes) it costs a second pass.
-std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& src, at::ScalarType dtype) {
-  check_compress_args(src, dtype);
-  if (dtype == at::kChar) return compress_int8(src);
+void compress_16bit(const at::Tensor& src, at::Tensor& packed, at::Tensor& scale_out) {
   const float* x = src.data_ptr<float>();
   const int64_t n = src.numel(), blocks = (n + kBlock - 1) / kBlock;
-  at::Tensor packed = at::empty(src.sizes(), src.options().dtype(dtype));
   auto* out = reinterpret_cast<uint16_t*>(packed.data_ptr());
-  const bool bf16 = dtype == at::kBFloat16, stream = streams(out, packed.nbytes());
+  const bool bf16 = packed.scalar_type() == at::kBFloat16, stream = streams(out, packed.nbytes());
   std::vector<float> used(blocks);  // the scale each block was packed with
   auto pack_block = [&](int64_t b, float scale) {
     const int64_t begin = b * kBlock, len = std::min(kBlock, n - begin);
@@ -179,13 +172,38 @@ std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& src, at::Scala
       if (used[b] != scale) pack_block(b, scale);
     }
   });
-  return {packed, at::full({1}, scale, src.options())};
+  scale_out.fill_(scale);
+}
+
+void compress_into(const at::Tensor& src, at::Tensor& packed, at::Tensor& scale) {
+  if (packed.scalar_type() == at::kChar) return compress_int8(src, packed, scale);
+  compress_16bit(src, packed, scale);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& src, at::ScalarType dtype) {
+  check_compress_args(src, dtype);
+  at::Tensor packed = at::empty(src.sizes(), src.options().dtype(dtype));
+  at::Tensor scale = at::empty({compress_scales(src.numel(), dtype)}, src.options());
+  compress_into(src, packed, scale);
+  return {packed, scale};
+}
+
+std::tuple<at::Tensor&, at::Tensor&> compress_out_cpu(const at::Tensor& src, at::ScalarType dtype,
+                                                      at::Tensor& packed, at::Tensor& scale) {
+  check_compress_out_args(src, dtype, packed, scale);
+  compress_into(src, packed, scale);
+  return {packed, scale};
 }
 
 std::tuple<at::Tensor, at::Tensor> compress_with_feedback_cpu(at::Tensor& src, at::ScalarType dtype,
                                                          at::Tensor& error, bool decode) {
   check_feedback_args(src, dtype, error);
-  return compress_int8(src, error.data_ptr<float>(), decode);
+  at::Tensor packed = at::empty(src.sizes(), src.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({int8_blocks(src.numel())}, src.options());
+  compress_int8(src, packed, scale, error.data_ptr<float>(), decode);
+  return {packed, scale};
 }
 
 at::Tensor decompress_cpu(const at::Tensor& packed, const at::Tensor& scale) {

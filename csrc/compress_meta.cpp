@@ -9,9 +9,14 @@ namespace minddp {
 
 std::tuple<at::Tensor, at::Tensor> compress_meta(const at::Tensor& src, at::ScalarType dtype) {
   check_compress_args(src, dtype);
-  const c10::SymInt scales = dtype == at::kChar ? int8_blocks(src.sym_numel()) : c10::SymInt(1);
   return {at::empty_symint(src.sym_sizes(), src.options().dtype(dtype)),
-          at::empty_symint({scales}, src.options())};
+          at::empty_symint({compress_scales(src.sym_numel(), dtype)}, src.options())};
+}
+
+std::tuple<at::Tensor&, at::Tensor&> compress_out_meta(const at::Tensor& src, at::ScalarType dtype,
+                                                       at::Tensor& packed, at::Tensor& scale) {
+  check_compress_out_args(src, dtype, packed, scale);
+  return {packed, scale};
 }
 
 std::tuple<at::Tensor, at::Tensor> compress_with_feedback_meta(at::Tensor& src, at::ScalarType dtype,

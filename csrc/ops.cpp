@@ -45,6 +45,9 @@ TORCH_LIBRARY(minddp, m) {
   const std::vector<at::Tag> out = aliasing_tags(/*out=*/true);
   const std::vector<at::Tag> inplace = aliasing_tags(/*out=*/false);
   m.def("compress(Tensor src, ScalarType dtype) -> (Tensor packed, Tensor scale)", pt2);
+  // encode into existing buffers (a slot in a shared file): no temporary, no copy.
+  m.def("compress.out(Tensor src, ScalarType dtype, *, Tensor(a!) packed, Tensor(b!) scale) "
+        "-> (Tensor(a!), Tensor(b!))", out);
   // int8 with error feedback: compress src - error, then error = what that changed;
   // with decode, src becomes the decoding (a finished value leaving its owner).
   m.def("compress_with_feedback(Tensor(a!) src, ScalarType dtype, Tensor(b!) error, bool decode) "
@@ -59,6 +62,7 @@ TORCH_LIBRARY(minddp, m) {
 
 TORCH_LIBRARY_IMPL(minddp, CPU, m) {
   m.impl("compress", &minddp::compress_cpu);
+  m.impl("compress.out", &minddp::compress_out_cpu);
   m.impl("compress_with_feedback", &minddp::compress_with_feedback_cpu);
   m.impl("decompress", &minddp::decompress_cpu);
   m.impl("decompress.out", &minddp::decompress_out_cpu);
@@ -67,6 +71,7 @@ TORCH_LIBRARY_IMPL(minddp, CPU, m) {
 
 TORCH_LIBRARY_IMPL(minddp, Meta, m) {
   m.impl("compress", &minddp::compress_meta);
+  m.impl("compress.out", &minddp::compress_out_meta);
   m.impl("compress_with_feedback", &minddp::compress_with_feedback_meta);
   m.impl("decompress", &minddp::decompress_meta);
   m.impl("decompress.out", &minddp::decompress_out_meta);
@@ -79,8 +84,8 @@ TORCH_LIBRARY_IMPL(minddp, Meta, m) {
 // grad. Without it torch's autograd fallback marks them as requiring grad and only warns,
 // at backward, that no autograd kernel exists.
 TORCH_LIBRARY_IMPL(minddp, Autograd, m) {
-  for (const char* op : {"compress", "compress_with_feedback", "decompress", "decompress.out",
-                         "decompress_add_"}) {
+  for (const char* op : {"compress", "compress.out", "compress_with_feedback", "decompress",
+                         "decompress.out", "decompress_add_"}) {
     m.impl(op, torch::CppFunction::makeFallthrough());
   }
 }
@@ -88,6 +93,7 @@ TORCH_LIBRARY_IMPL(minddp, Autograd, m) {
 #ifdef MINDDP_WITH_CUDA
 TORCH_LIBRARY_IMPL(minddp, CUDA, m) {
   m.impl("compress", &minddp::compress_cuda);
+  m.impl("compress.out", &minddp::compress_out_cuda);
   m.impl("compress_with_feedback", &minddp::compress_with_feedback_cuda);
   m.impl("decompress", &minddp::decompress_cuda);
   m.impl("decompress.out", &minddp::decompress_out_cuda);

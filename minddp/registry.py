@@ -126,8 +126,8 @@ class Codec:
     The wire's sizes must depend only on the chunk's size (receivers allocate
     them before the data arrives). Non-float32 chunks travel as themselves.
     Subclasses may fuse the steps (minddp's kernels do): decode_add_,
-    decode_, encode_with_feedback and wire_itemsize are what the algorithms
-    call. `sum_whole(tensor, group, all_reduce)`, where set, sums an encoding
+    decode_, encode_into, encode_with_feedback and wire_itemsize are what the
+    algorithms call. `sum_whole(tensor, group, all_reduce)`, where set, sums an encoding
     with a plain algorithm (values that can be added as they are).
     """
 
@@ -156,6 +156,13 @@ class Codec:
             raise TypeError(f"codec {self.name!r}: encode must return a tuple of tensors, got "
                             f"{type(wire).__name__}; e.g. `return (values, scale)`")
         return [w.to(chunk.device).contiguous() for w in wire]
+
+    def encode_into(self, chunk, slots):
+        """encode(chunk), written into `slots` (tensors with the wire's shapes and dtypes,
+        e.g. a slot in a shared file); returns them."""
+        for slot, w in zip(slots, self.encode(chunk)):
+            slot.copy_(w.view_as(slot))
+        return slots
 
     def decoded(self, wire, like):
         """The wire decoded as a tensor shaped like `like`."""

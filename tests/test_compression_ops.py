@@ -84,6 +84,17 @@ def test_round_trip_error_and_specials(ops, device, name, dtype):
     into = torch.full_like(src, 7.0)  # decompress.out overwrites, it does not add
     assert ops.decompress.out(packed, scale, out=into) is into
     torch.testing.assert_close(into, out, equal_nan=True, rtol=0, atol=0)
+    assert_compress_out_is_compress(ops, src, dtype, packed, scale)
+
+
+def assert_compress_out_is_compress(ops, src, dtype, packed, scale):
+    """compress.out writes into the buffers it is given exactly what compress returns."""
+    slots = torch.full_like(packed, 3), torch.full_like(scale, 5.0)
+    returned = ops.compress.out(src, dtype, packed=slots[0], scale=slots[1])
+    assert all(got is slot for got, slot in zip(returned, slots))
+    bits = torch.int16 if dtype != torch.int8 else torch.int8
+    assert torch.equal(slots[0].view(bits), packed.view(bits))
+    torch.testing.assert_close(slots[1], scale, equal_nan=True, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -112,6 +123,7 @@ def test_int8_round_trip_error_and_specials(ops, device, name):
     into = torch.full_like(src, 7.0)
     assert ops.decompress.out(packed, scale, out=into) is into
     torch.testing.assert_close(into, out, equal_nan=True, rtol=0, atol=0)
+    assert_compress_out_is_compress(ops, src, torch.int8, packed, scale)
 
 
 @pytest.mark.parametrize("ops,device", IMPLEMENTATIONS)
@@ -227,6 +239,14 @@ def test_bad_arguments_are_rejected_with_the_fix(device):
         torch.ops.minddp.decompress.out(packed, scale, out=x.half())
     with pytest.raises(RuntimeError, match="pass the chunk that was compressed"):
         torch.ops.minddp.decompress.out(packed, scale, out=x[:4])
+    with pytest.raises(RuntimeError, match=r"compress.out: packed must be a contiguous "
+                                           r"Half tensor of src's 48 elements.*got BFloat16"):
+        torch.ops.minddp.compress.out(x, torch.float16, packed=packed.bfloat16(), scale=scale)
+    with pytest.raises(RuntimeError, match=r"packed must .* got Half with 47 elements"):
+        torch.ops.minddp.compress.out(x, torch.float16, packed=packed.flatten()[:47], scale=scale)
+    with pytest.raises(RuntimeError, match=r"compress.out: scale must be a contiguous float32 "
+                                           r"tensor of 3 element\(s\).*got Float with 1"):
+        torch.ops.minddp.compress.out(wide, torch.int8, packed=packed8, scale=scale8[:1])
     error = torch.zeros(48, device=device)
     with pytest.raises(RuntimeError, match="only int8 has error feedback.*minddp.compress"):
         torch.ops.minddp.compress_with_feedback(x, torch.float16, error, False)
@@ -245,6 +265,7 @@ def test_cuda_ops_never_synchronise_with_the_host():
         for view in (x, x[1:]):
             for dtype in (torch.float16, torch.int8):
                 packed, scale = torch.ops.minddp.compress(view, dtype)
+                torch.ops.minddp.compress.out(view, dtype, packed=packed, scale=scale)
                 torch.ops.minddp.decompress_add_(view, packed, scale)
                 torch.ops.minddp.decompress(packed, scale)
                 torch.ops.minddp.decompress.out(packed, scale, out=view)

@@ -37,7 +37,8 @@ def test_every_op_is_covered():
     fails here until it has its opcheck test below."""
     registered = {name for name in torch._C._dispatch_get_all_op_names()
                   if name.startswith("minddp::")}
-    assert registered == {"minddp::compress", "minddp::compress_with_feedback",
+    assert registered == {"minddp::compress", "minddp::compress.out",
+                          "minddp::compress_with_feedback",
                           "minddp::decompress", "minddp::decompress.out",
                           "minddp::decompress_add_"}
 
@@ -66,6 +67,15 @@ def check(op, args, kwargs=None):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_compress(device, shape, dtype):
     check(ops.compress.default, (values(shape, device, requires_grad=True), dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_compress_out(device, shape, dtype):
+    packed, scale = wire(shape, dtype, device)
+    check(ops.compress.out, (values(shape, device, requires_grad=True), dtype),
+          {"packed": torch.empty_like(packed), "scale": torch.empty_like(scale)})
 
 
 @pytest.mark.parametrize("device", DEVICES)

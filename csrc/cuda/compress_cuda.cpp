@@ -15,25 +15,37 @@ void check_launch(cudaError_t err, const char* op) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> compress_cuda(const at::Tensor& src, at::ScalarType dtype) {
-  check_compress_args(src, dtype);
+static void compress_into(const at::Tensor& src, at::Tensor& packed, at::Tensor& scale,
+                          const char* op) {
   const c10::cuda::CUDAGuard guard(src.device());
-  at::Tensor packed = at::empty(src.sizes(), src.options().dtype(dtype));
-  if (dtype == at::kChar) {
-    at::Tensor scales = at::empty({int8_blocks(src.numel())}, src.options());
+  if (packed.scalar_type() == at::kChar) {
     check_launch(launch_compress_int8(src.data_ptr<float>(), src.numel(),
                                       reinterpret_cast<signed char*>(packed.data_ptr()),
-                                      scales.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
-                 "minddp.compress");
-    return {packed, scales};
+                                      scale.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()),
+                 op);
+    return;
   }
-  at::Tensor scale = at::empty({1}, src.options());
   at::Tensor workspace = at::empty({1}, src.options().dtype(at::kInt));
-  check_launch(launch_compress(src.data_ptr<float>(), src.numel(), dtype == at::kBFloat16,
-                               packed.data_ptr(), scale.data_ptr<float>(),
+  check_launch(launch_compress(src.data_ptr<float>(), src.numel(),
+                               packed.scalar_type() == at::kBFloat16, packed.data_ptr(),
+                               scale.data_ptr<float>(),
                                reinterpret_cast<unsigned int*>(workspace.data_ptr<int>()),
                                c10::cuda::getCurrentCUDAStream()),
-               "minddp.compress");
+               op);
+}
+
+std::tuple<at::Tensor, at::Tensor> compress_cuda(const at::Tensor& src, at::ScalarType dtype) {
+  check_compress_args(src, dtype);
+  at::Tensor packed = at::empty(src.sizes(), src.options().dtype(dtype));
+  at::Tensor scale = at::empty({compress_scales(src.numel(), dtype)}, src.options());
+  compress_into(src, packed, scale, "minddp.compress");
+  return {packed, scale};
+}
+
+std::tuple<at::Tensor&, at::Tensor&> compress_out_cuda(const at::Tensor& src, at::ScalarType dtype,
+                                                       at::Tensor& packed, at::Tensor& scale) {
+  check_compress_out_args(src, dtype, packed, scale);
+  compress_into(src, packed, scale, "minddp.compress.out");
   return {packed, scale};
 }
 

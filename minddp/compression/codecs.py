@@ -2,6 +2,7 @@
 
     wire = codec.encode(chunk)        # [packed fp16/bf16/int8, scale float32[1]; int8:
                                       #  float32[one per 1024 values]]
+    codec.encode_into(chunk, slots)   # the same, into slots shaped as the wire (no copy)
     codec.decode_add_(dst, wire)      # dst += decoded, accumulated in dst's fp32
     codec.decode_(dst, wire)          # dst = decoded
 
@@ -47,6 +48,13 @@ class KernelCodec(registry.Codec):
         if not self.compresses(chunk):
             return [chunk]
         return list(self._ops(chunk).compress(chunk.contiguous(), self.dtype))
+
+    def encode_into(self, chunk, slots):
+        if not self.compresses(chunk):
+            return super().encode_into(chunk, slots)
+        self._ops(chunk).compress.out(chunk.contiguous(), self.dtype, packed=slots[0],
+                                      scale=slots[1])
+        return slots
 
     def encode_with_feedback(self, chunk, error, decode=False):
         return list(self._ops(chunk).compress_with_feedback(chunk, self.dtype, error, decode))

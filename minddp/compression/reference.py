@@ -4,6 +4,7 @@ Same contract, same numbers as torch.ops.minddp.* (csrc/): every kernel is
 tested against these functions, bit for bit apart from NaN payloads.
 
     packed, scale = compress(src, torch.float16)   # packed = src * scale, scale: float32 [1]
+    compress.out(src, torch.float16, packed=p, scale=s)  # the same, into p and s
     decompress(packed, scale)                       # packed / scale, float32
     decompress.out(packed, scale, out=dst)          # dst = packed / scale, in place
     decompress_add_(dst, packed, scale)             # dst += packed / scale, in place
@@ -88,6 +89,16 @@ def compress(src, dtype):
         return q.view(-1)[:src.numel()].to(torch.int8).view(src.shape), scale
     scale = scale_from_amax(finite_amax(src)).reshape(1)
     return (src * scale).to(dtype), scale
+
+
+def _compress_out(src, dtype, *, packed, scale):
+    wire = compress(src, dtype)
+    packed.copy_(wire[0].view_as(packed))
+    scale.copy_(wire[1])
+    return packed, scale
+
+
+compress.out = _compress_out  # as the op's overload: torch.ops.minddp.compress.out
 
 
 def decompress(packed, scale):
