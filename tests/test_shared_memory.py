@@ -205,3 +205,74 @@ def _full(rank, world_size):
 
 def test_without_room_for_the_files_sums_go_over_gloo():
     assert run_world(_full, 2, timeout=120) == [(True, True, True)] * 2
+
+
+def _phases(rank, world_size, flags):
+    """Sums in a row, of every kind (a shared bucket, copied in, encoded, tiny), with the
+    phases ordered by flags in shared memory or by gloo ("some": one rank has no flags,
+    so no rank uses them)."""
+    shared_memory.USE_FLAGS = flags == "all" or (flags == "some" and rank == 0)
+    group = dist.new_group(backend="gloo")
+    numel = shared_memory.MIN_BYTES // 4
+    bucket = shared_memory.allocate(numel, torch.float32, "cpu", group)
+    shared_memory.setup([bucket], group)
+    sums = []
+    for step in range(6):
+        for tensor, codec in ((bucket, None), (torch.empty(numel), None),
+                              (torch.empty(numel + step), "fp16"), (torch.empty(3), None)):
+            values = torch.arange(tensor.numel(), dtype=torch.float32) + step
+            tensor.copy_(values * (rank + 1))
+            minddp.all_reduce(tensor, "shared_memory", group=group, compression=codec)
+            want = values * sum(range(1, world_size + 1))
+            sums.append(torch.equal(tensor, want) if codec is None else
+                        torch.allclose(tensor, want, rtol=2.0 ** -9))
+    return shared_memory._groups[group].words is not None, sums
+
+
+@pytest.mark.parametrize("flags", ["all", "some", "none"])
+def test_phases_by_flags_or_by_gloo_sum_alike(flags):
+    for used, sums in run_world(_phases, 3, flags, timeout=120):
+        assert used == (flags == "all")
+        assert all(sums), sums
+
+
+def _lost_between_phases(rank, world_size, how, timeout):
+    """Rank 1 dies, or stops, after the copy-in's "written" phase: its peers wait for it
+    at "summed", on the flags."""
+    import datetime
+    import time
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    state = shared_memory._state(group)
+    assert state.words is not None  # the flags order the phases here
+    if rank == 1:
+        passed, barrier = [], state.barrier
+
+        def barrier_then_lost():
+            passed.append(1)
+            if len(passed) == 3:  # agree, written, then not summed
+                if how == "stuck":
+                    time.sleep(3 * timeout)
+                os.kill(os.getpid(), 9)
+            barrier()
+        state.barrier = barrier_then_lost
+    t0 = time.monotonic()
+    try:
+        minddp.all_reduce(torch.ones(1 << 18), "shared_memory", group=group)
+    except RuntimeError as e:
+        return time.monotonic() - t0, str(e)
+    return None, "no error"
+
+
+@pytest.mark.parametrize("how", ["dies", "stuck"])
+def test_a_peer_lost_between_phases_raises_naming_it(how):
+    timeout = 3
+    results = run_world(_lost_between_phases, 3, how, timeout, timeout=60, expect_dead=(1,))
+    for rank in (0, 2):
+        elapsed, error = results[rank]
+        assert elapsed is not None, f"rank {rank} summed without rank 1"
+        assert f"(rank {rank}): rank 1" in error, error
+        if how == "dies":  # seen within the flags' 50 ms naps, not at the timeout
+            assert "process exited" in error and elapsed < 2, (elapsed, error)
+        else:
+            assert f"within the group's timeout ({timeout} s)" in error, error
+            assert timeout - 0.5 < elapsed < timeout + 2, elapsed

@@ -5,14 +5,22 @@ into the kernel and out again, and the copies take the CPU the backward needs.
 Ranks on one host can read one another's memory instead. Each rank's tensor
 sits in a file under /dev/shm that every rank has mapped; rank r sums slice r
 of all the ranks' copies into its own (reduce-scatter) and then copies every
-other slice from its owner (all-gather). Small all-reduces on the group order
-the phases, and give the group's timeout to a dead peer (an error, never a
-hang):
+other slice from its owner (all-gather). Phases order the steps, each one
+every rank's arrival at it; a dead or stuck peer gets the group's timeout (an
+error, never a hang):
 
-    agree    every rank passes the same buffer, offset and size (which mode)
-    written  (only when copied in) every rank's data is in its shared file
+    agree    every rank passes the same buffer, offset and size (which mode);
+             every rank is done reading the scratch files of the last call
+    written  (only when copied in or encoded) every rank's data is in its file
     summed   every slice's owner has added the others' copies into its own
-    read     every rank has copied what it needs: the files may change again
+    read     (buckets only) every rank has copied what it needs: the bucket
+             may change again (a scratch file is written only after the next
+             call's agree, so it needs none)
+
+A phase is a flag in shared memory where the extension has them (csrc/
+shm_flags.cpp: each rank bumps its own word, and waits in the kernel for its
+peers'; within microseconds where a gloo all-reduce of one value took 0.2-0.9
+ms on 2 CPU ranks), else a small gloo all-reduce.
 
 Where the tensor is a bucket the reducer allocated through `allocate` (the
 reduction offers it; reducer.py and buckets.py call it), the bucket already is
@@ -26,12 +34,11 @@ every slice j != r, slice j's owner decodes and adds them into its fp32 copy
 and writes the sum's wire, which every rank decodes, the owner too. Each rank
 encodes each element once, so error feedback holds (p2p.run's `error`).
 
-Cost for n bytes on p ranks, a bucket: 3 small all-reduces (4 where copied in
-or encoded), then the sum of one slice from p copies ((p-1)/p n bytes added)
-and the copy of the others ((p-1)/p n). Not bandwidth-bound on a network but
-on memory, so it wins where the copies through the kernel cost more than a
-pass over memory: large buckets; the small all-reduces make it lose on small
-ones.
+Cost for n bytes on p ranks, a bucket: 3 phases, then the sum of one slice
+from p copies ((p-1)/p n bytes added) and the copy of the others ((p-1)/p n).
+Not bandwidth-bound on a network but on memory, so it wins where the copies
+through the kernel cost more than a pass over memory: large buckets; the
+phases make it lose on small ones.
 Every rank ends bitwise identical: each slice is summed by its owner only
 (with a codec, every rank decodes the owner's one wire of it).
 """
@@ -44,7 +51,14 @@ import torch
 import torch.distributed as dist
 
 from minddp import devices, registry
-from minddp.algorithms import native, p2p, ring  # native, ring: where /dev/shm has no room
+from minddp.algorithms import lanes, native, p2p, ring  # native, ring: where /dev/shm has no room
+
+try:  # the phases' flags (csrc/shm_flags.cpp); without them, a gloo all-reduce per phase
+    from minddp._C import flag_arrive, flag_wait
+except ImportError:
+    flag_arrive = flag_wait = None
+# False: phases through gloo even where the flags are built (tests run both).
+USE_FLAGS = flag_wait is not None and os.environ.get("MINDDP_SHM_FLAGS") != "0"
 
 log = logging.getLogger("minddp.algorithms")
 
@@ -63,6 +77,13 @@ def _boot_id():
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
+    except OSError:
+        return None
+
+
+def _pid_namespace():
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return None
 
@@ -120,14 +141,17 @@ class _Group:
         # Weakly: _groups forgets a group once it is destroyed.
         self._group, self.rank, self.size = weakref.ref(group), dist.get_rank(group), group.size()
         self.device = devices.group_device(group)  # the small all-reduces' tensors
-        # _agree's: what each rank passes, gathered (gloo's all-reduce of 3 or more values
-        # took ~1.3 ms on 2 CPU ranks, its all-gather of them ~0.3 ms)
-        self.flags = torch.zeros(3, dtype=torch.int64, device=self.device)
-        self.gathered = [torch.zeros_like(self.flags) for _ in range(self.size)]
+        # _agree's through gloo: what each rank passes, gathered (gloo's all-reduce of 3 or
+        # more values took ~1.3 ms on 2 CPU ranks, its all-gather of them ~0.3 ms)
+        self.passed = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self.gathered = [torch.zeros_like(self.passed) for _ in range(self.size)]
         self.linked, self.next_key = {}, 0
         self.scratch = None  # a file per rank, mapped here, for tensors that are not buckets
         self.no_room = float("inf")  # the smallest scratch size a rank had no room for
-        self.shared = self.size > 1 and self._map_everyone(64) is not None
+        probes = self._map_everyone(64) if self.size > 1 else None
+        self.shared = probes is not None
+        self.words = self._flags(probes) if self.shared else None
+        self.generation = 0  # of the phases passed, counted alike on every rank
 
     @property
     def group(self):
@@ -164,9 +188,52 @@ class _Group:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         return [flag == 0 for flag in flags.tolist()]
 
+    def _flags(self, probes):
+        """Each rank's flag word, the first of its probe file that every rank mapped,
+        and the ranks' process ids, to tell a dead peer from a slow one; None (gloo
+        orders the phases) where some rank has no flags or sees other process ids
+        (another pid namespace over a shared /dev/shm)."""
+        seen = self._exchange((os.getpid(), _pid_namespace(), USE_FLAGS))
+        if not all(has and ns is not None and ns == seen[0][1] for _, ns, has in seen):
+            return None
+        self.timeout = lanes.timeout_of(self.group).total_seconds()
+        self.pids = [pid for pid, _, _ in seen]
+        # After the word, three values each rank posts for the others (gather):
+        # every mapping of one file, so a post is seen by every rank.
+        self.posts = [probe[8:32].view(torch.int64) for probe in probes]
+        return [probe.data_ptr() for probe in probes]
+
+    def gather(self, values):
+        """Every rank's three `values` (ints), by rank (a collective). Through the
+        flags where there are some: posted, then a barrier; a rank posts again only
+        after a later barrier, which every peer passes after reading this one."""
+        if self.words is None:
+            self.passed.copy_(torch.tensor(values, device="cpu"))
+            dist.all_gather(self.gathered, self.passed, group=self.group)
+            return [t.tolist() for t in self.gathered]
+        self.posts[self.rank].copy_(torch.tensor(values, device="cpu"))
+        self.barrier()
+        return [post.tolist() for post in self.posts]
+
     def barrier(self):
-        """Every rank has come this far (orders the phases of a sum)."""
-        self._all([True])
+        """Every rank has come this far, and what it wrote before is visible (orders
+        the phases of a sum); an error, naming the peer, where one died or did not
+        come within the group's timeout."""
+        if self.words is None:
+            self._all([True])
+            return
+        self.generation = (self.generation + 1) % (1 << 32)
+        flag_arrive(self.words[self.rank], self.generation)
+        peers = [k for k in range(self.size) if k != self.rank]
+        status, i = flag_wait([self.words[k] for k in peers], self.generation,
+                              [self.pids[k] for k in peers], self.timeout)
+        if status == 1:
+            raise RuntimeError(f"minddp shared_memory (rank {self.rank}): rank {peers[i]}'s "
+                               f"process exited in the middle of an all-reduce")
+        if status == 2:
+            raise RuntimeError(f"minddp shared_memory (rank {self.rank}): rank {peers[i]} did "
+                               f"not reach the next phase of an all-reduce within the group's "
+                               f"timeout ({self.timeout:.0f} s); it is stuck or far behind")
 
     def link(self, buffers):
         """Map every rank's copy of those of `buffers` allocated by `allocate` on every
@@ -308,19 +375,19 @@ def all_reduce(tensor, group=None, codec=None, error=None):
         copies = [c[:nbytes].view(flat.dtype) for c in state.scratch]
         _copy_in(state, flat, copies)
         state.barrier()  # written
-    else:
-        copies = [None if c is None else c[offset:offset + nbytes].view(flat.dtype)
-                  for c in copies]
+        _sum_and_gather(state, flat, copies)
+        return tensor
+    copies = [None if c is None else c[offset:offset + nbytes].view(flat.dtype)
+              for c in copies]
     _sum_and_gather(state, flat, copies)
+    state.barrier()  # read: every rank may write its bucket again
     return tensor
 
 
 def _agree(state, key, offset, nbytes):
     """The buffer key every rank passes (-1: none is shared); None where they differ
     in key or offset (then each copies in); raises where they differ in size."""
-    state.flags.copy_(torch.tensor([key, offset, nbytes], device="cpu"))
-    dist.all_gather(state.gathered, state.flags, group=state.group)
-    passed = [t.tolist() for t in state.gathered]
+    passed = state.gather([key, offset, nbytes])
     sizes = [size for _, _, size in passed]
     if min(sizes) != max(sizes):
         raise RuntimeError(
@@ -355,7 +422,6 @@ def _sum_and_gather(state, flat, copies):
     for j, (a, b) in enumerate(bounds):
         if j != state.rank:
             flat[a:b].copy_(copies[j][a:b])
-    state.barrier()  # read: every rank may write its copy again
 
 
 def _layout(codec, numel, dtype, p):
@@ -377,15 +443,17 @@ def _layout(codec, numel, dtype, p):
     return known[numel, dtype, p]
 
 
-def _encode(codec, view, error, final=False):
-    """`view`'s wire, with its error feedback where there is a record (p2p.Link.wire);
-    `final`: `view` becomes what its wire decodes to, as on every other rank."""
+def _encode(codec, view, error, slots, final=False):
+    """`view`'s wire into `slots`, with its error feedback where there is a record
+    (p2p.Link.wire); `final`: `view` becomes what its wire decodes to, as on every
+    other rank."""
     if error is not None and codec.compresses(view):
-        return codec.encode_with_feedback(view, error, decode=final)
-    wire = codec.encode(view)
+        for slot, w in zip(slots, codec.encode_with_feedback(view, error, decode=final)):
+            slot.copy_(w)
+        return
+    codec.encode_into(view, slots)
     if final:
-        codec.decode_(view, wire)
-    return wire
+        codec.decode_(view, slots)
 
 
 def _sum_encoded(state, flat, codec, error):
@@ -408,8 +476,7 @@ def _sum_encoded(state, flat, codec, error):
         return None if error is None else error[lo:hi]
 
     for j, lo, hi in others:
-        for slot, w in zip(wire(r, j), _encode(codec, flat[lo:hi], owed(lo, hi))):
-            slot.copy_(w)
+        _encode(codec, flat[lo:hi], owed(lo, hi), wire(r, j))
     state.barrier()  # written
     lo, hi = bounds[r]
     if hi > lo:
@@ -417,12 +484,10 @@ def _sum_encoded(state, flat, codec, error):
         for k in range(state.size):
             if k != r:
                 codec.decode_add_(own, wire(k, r))
-        for slot, w in zip(wire(r, r), _encode(codec, own, owed(lo, hi), final=True)):
-            slot.copy_(w)
+        _encode(codec, own, owed(lo, hi), wire(r, r), final=True)
     state.barrier()  # summed
     for j, lo, hi in others:
         codec.decode_(flat[lo:hi], wire(j, j))
-    state.barrier()  # read: every rank may write its file again
 
 
 def cost(nbytes, p, c):
