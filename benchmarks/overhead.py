@@ -45,7 +45,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp
 from benchmarks.measure import (format_interval, format_table, median, pairwise_ratio,
-                                pairwise_ratio_interval, provenance, run_distributed, slowest_rank)
+                                pairwise_ratio_interval, provenance, run_distributed, slowest_rank,
+                                timed)
 from benchmarks.workloads import WORKLOADS
 
 PIECES = ["on_gradient", "_bucket_full", "_fill", "launch", "_finalize", "_write_back"]
@@ -114,13 +115,9 @@ def run(args, rank, world_size, device):
         for k in range(len(names)):  # a rotating order, so no row always follows another
             name = names[(s + k) % len(names)]
             before = dict(spent)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            step(name, rows[name], s)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = (time.perf_counter() - start) * 1e3
+            # Every rank starts together: a rank that ran ahead in the row before
+            # (no_sync rows do not meet) would otherwise wait inside this row's step.
+            elapsed = timed(lambda: step(name, rows[name], s), device)
             if s >= args.warmup:
                 times[name].append(elapsed)
                 if name == "minddp_timed":
