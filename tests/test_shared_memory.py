@@ -31,7 +31,7 @@ def _left_behind():
 
 
 def _train(rank, world_size, algorithm, as_view):
-    # 1 MiB buckets (shared_memory.MIN_BYTES: smaller ones stay ordinary memory)
+    # 1 MiB buckets (at least shared_memory.MIN_BYTES: smaller ones stay ordinary memory)
     ddp = minddp.DDP(_model(512), algorithm=algorithm, bucket_cap_mb=1,
                      gradient_as_bucket_view=as_view)
     ref = TorchDDP(_model(512), bucket_cap_mb=1)

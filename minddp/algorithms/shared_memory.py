@@ -63,10 +63,13 @@ USE_FLAGS = flag_wait is not None and os.environ.get("MINDDP_SHM_FLAGS") != "0"
 log = logging.getLogger("minddp.algorithms")
 
 DIRECTORY = "/dev/shm"
-# Below this, the two small all-reduces more than the backend's one cost more than the copies
-# saved (on 2 CPU ranks it lost up to 4 MiB copied in, won from 32 MiB: docs/performance.md),
-# so auto does not time it there and such buckets stay ordinary memory.
-MIN_BYTES = 1 << 20
+# Below this a bucket stays ordinary memory and auto does not time the algorithm: each
+# phase's latency costs more than the copies saved. Phases through gloo (0.2-0.9 ms each):
+# on 2 CPU ranks it lost up to 4 MiB copied in, won from 32 MiB. Through the flags (tens of
+# microseconds) it was as fast as gloo's all-reduce at 64 KiB copied in, 2x at 256 KiB and
+# 5x at 1 MiB (docs/performance.md).
+MIN_BYTES = 1 << 16 if USE_FLAGS else 1 << 20
+FLAG_PHASE_S = 30e-6  # a phase through the flags, where nobody is late (cost)
 HEADROOM, HEADROOM_BYTES = 0.25, 256 << 20  # of /dev/shm left free (_room_for)
 _groups = weakref.WeakKeyDictionary()  # group -> _Group
 _pending = {}  # storage address -> (path, nbytes): allocated, not yet mapped by the peers
@@ -491,12 +494,13 @@ def _sum_encoded(state, flat, codec, error):
 
 
 def cost(nbytes, p, c):
-    """Predicted seconds for a bucket: three small all-reduces (the backend's latency),
-    the owner's sum and the others' copy (each about one add's time per byte); never
-    chosen under MIN_BYTES."""
+    """Predicted seconds for a bucket: three phases (flags, or small all-reduces at the
+    backend's latency), the owner's sum and the others' copy (each about one add's time
+    per byte); never chosen under MIN_BYTES."""
     if nbytes < MIN_BYTES:
         return float("inf")
-    return 3 * c.native_alpha + 2 * (p - 1) / p * nbytes * c.gamma
+    phase = FLAG_PHASE_S if USE_FLAGS else c.native_alpha
+    return 3 * phase + 2 * (p - 1) / p * nbytes * c.gamma
 
 
 registry.register_algorithm("shared_memory", all_reduce, cost=cost, per_hop=True,
