@@ -224,6 +224,9 @@ def collectives_section(path, img):
     data = _load(path)
     meta, rows, world = data["meta"], data["rows"], data["world_size"]
     stem = os.path.splitext(os.path.basename(path))[0]
+    folder = os.path.basename(os.path.dirname(path))
+    nested = folder != "results"  # docs/results/<setting>/collectives_p*.json
+    stem = f"{stem}-{folder}" if nested else stem
     plot_collectives(rows, os.path.join(img, stem + ".png"), world)
     algorithms = [a for a in dict.fromkeys(r["algorithm"] for r in rows) if a != "native"]
     by_size = {}
@@ -237,7 +240,8 @@ def collectives_section(path, img):
             ratio = _num(r.get("ratio_to_native"), "{:.2f}")
             cells.append(ratio + (f" ({r['picked']})" if r.get("picked") else ""))
         table.append(cells)
-    return [f"## collectives.py: all-reduce on {world} ranks", "", _made_by(meta),
+    title = f"## collectives.py: all-reduce on {world} ranks" + (f" ({folder})" if nested else "")
+    return [title, "", _made_by(meta),
             "Cells: median over interleaved repetitions of each algorithm's time / the backend's "
             "own all-reduce (native) at that size, the slowest rank's time; `native_again` is "
             "native timed a second time, the run's noise floor; auto's pick in brackets.", "",
@@ -276,7 +280,8 @@ def render(results, img):
         lines += compare_section(path, img)
     for path in sorted(glob.glob(os.path.join(results, "*", "time_to_loss.json"))):
         lines += time_to_loss_section(path, img)
-    for path in sorted(glob.glob(os.path.join(results, "collectives_p*.json"))):
+    for path in sorted(glob.glob(os.path.join(results, "collectives_p*.json")) +
+                       glob.glob(os.path.join(results, "*", "collectives_p*.json"))):
         lines += collectives_section(path, img)
     for path in sorted(glob.glob(os.path.join(results, "kernels*.json")) +
                        glob.glob(os.path.join(results, "*", "kernels*.json"))):

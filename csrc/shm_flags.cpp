@@ -15,6 +15,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <vector>
 
 #ifdef __linux__
@@ -44,6 +46,23 @@ std::atomic<uint32_t>* word_at(uintptr_t address) {
   return reinterpret_cast<std::atomic<uint32_t>*>(address);
 }
 
+// Whether process `pid` has exited: gone, or a zombie its parent has not reaped yet (kill(pid,
+// 0) still succeeds on one, and a parent that is itself a rank waiting here never reaps it).
+bool exited(int64_t pid) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  std::FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+  char buf[512];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  // "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ')'.
+  const char* close = std::strrchr(buf, ')');
+  if (close == nullptr || close[1] == '\0' || close[2] == '\0') return false;
+  return close[2] == 'Z' || close[2] == 'X';
+}
+
 // Not FUTEX_PRIVATE: the word is in a shared mapping, and the waker is another process.
 void arrive(uintptr_t address, uint32_t generation) {
   // A full fence: the phase's data, also what non-temporal stores wrote, is
@@ -71,7 +90,9 @@ std::pair<int, int64_t> wait(const std::vector<uintptr_t>& addresses, uint32_t g
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(addresses[i]), FUTEX_WAIT, seen, &nap,
               nullptr, 0);
       if (reached(word, generation)) break;
-      if (kill(static_cast<pid_t>(pids[i]), 0) != 0 && errno == ESRCH) return {1, i};
+      for (size_t k = i; k < addresses.size(); ++k) {  // every peer not yet seen here
+        if (!reached(word_at(addresses[k]), generation) && exited(pids[k])) return {1, k};
+      }
       if (std::chrono::steady_clock::now() > deadline) return {2, i};
     }
   }

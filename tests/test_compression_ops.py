@@ -89,12 +89,16 @@ def test_round_trip_error_and_specials(ops, device, name, dtype):
 
 def assert_compress_out_is_compress(ops, src, dtype, packed, scale):
     """compress.out writes into the buffers it is given exactly what compress returns."""
-    slots = torch.full_like(packed, 3), torch.full_like(scale, 5.0)
+    # slots inside larger buffers, at offsets, as in a shared file's layout
+    room = torch.full((packed.numel() + 24,), 3, dtype=packed.dtype, device=src.device)
+    slots = (room[8:8 + packed.numel()].view(packed.shape),
+             torch.full((scale.numel() + 3,), 5.0, device=src.device)[1:1 + scale.numel()])
     returned = ops.compress.out(src, dtype, packed=slots[0], scale=slots[1])
     assert all(got is slot for got, slot in zip(returned, slots))
     bits = torch.int16 if dtype != torch.int8 else torch.int8
     assert torch.equal(slots[0].view(bits), packed.view(bits))
     torch.testing.assert_close(slots[1], scale, equal_nan=True, rtol=0, atol=0)
+    assert (room[:8] == 3).all() and (room[8 + packed.numel():] == 3).all()  # nothing outside
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -134,16 +134,21 @@ def test_error_feedback_pays_back_what_one_sum_lost():
 
 
 def _sizes_differ(rank, world_size):
-    try:
-        minddp.all_reduce(torch.ones(4 + rank), "shared_memory")
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    said = []
+    for numel in (4 + rank, 4):  # then the group is done for: its files' state is unknown
+        try:
+            minddp.all_reduce(torch.ones(numel), "shared_memory")
+            said.append("no error")
+        except RuntimeError as e:
+            said.append(str(e))
+    return said
 
 
-def test_different_sizes_raise_on_every_rank():
-    for rank, error in enumerate(run_world(_sizes_differ, 2, timeout=60)):
+def test_different_sizes_raise_on_every_rank_and_end_the_group():
+    for rank, (error, after) in enumerate(run_world(_sizes_differ, 2, timeout=60)):
         assert f"(rank {rank})" in error and "different sizes" in error, error
+        assert f"(rank {rank})" in after and "failed midway" in after, after
+        assert "new process group" in after, after
 
 
 def _apart(rank, world_size):
@@ -232,7 +237,44 @@ def _phases(rank, world_size, flags):
 @pytest.mark.parametrize("flags", ["all", "some", "none"])
 def test_phases_by_flags_or_by_gloo_sum_alike(flags):
     for used, sums in run_world(_phases, 3, flags, timeout=120):
-        assert used == (flags == "all")
+        assert used == (flags == "all" and shared_memory.flag_wait is not None)
+        assert all(sums), sums
+
+
+def _slow_reader(rank, world_size, flags):
+    """Rank 1 reads the others' sums late in every call (a pause after "summed"), while
+    the others start the next sum at once: that must wait for it (the scratch files
+    have no "read" phase; the next call's agree is one)."""
+    import time
+    shared_memory.USE_FLAGS = flags
+    group = dist.new_group(backend="gloo")
+    state = shared_memory._state(group)
+    if rank == 1:
+        passed, barrier = [], state.barrier
+
+        def barrier_then_pause():
+            barrier()
+            passed.append(1)
+            if len(passed) % 3 == 0:  # agree, written, summed: then the reads
+                time.sleep(0.1)
+        state.barrier = barrier_then_pause
+    sums = []
+    for step in range(6):
+        for codec in (None, "fp16"):  # copied in; encoded
+            values = torch.arange(50_000, dtype=torch.float32) * (step + 1)
+            got = minddp.all_reduce(values * (rank + 1), "shared_memory", group=group,
+                                    compression=codec)
+            want = values * sum(range(1, world_size + 1))
+            sums.append(torch.equal(got, want) if codec is None else
+                        torch.allclose(got, want, rtol=2.0 ** -9))
+    return sums
+
+
+@pytest.mark.parametrize("flags", [True, False], ids=["flags", "gloo"])
+def test_a_late_reader_still_reads_the_sum_it_waited_for(flags):
+    if flags and shared_memory.flag_wait is None:
+        pytest.skip("minddp._C is not built: no flags")
+    for sums in run_world(_slow_reader, 3, flags, timeout=120):
         assert all(sums), sums
 
 
@@ -263,6 +305,7 @@ def _lost_between_phases(rank, world_size, how, timeout):
     return None, "no error"
 
 
+@pytest.mark.skipif(shared_memory.flag_wait is None, reason="minddp._C is not built: no flags")
 @pytest.mark.parametrize("how", ["dies", "stuck"])
 def test_a_peer_lost_between_phases_raises_naming_it(how):
     timeout = 3

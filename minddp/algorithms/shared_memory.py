@@ -50,14 +50,15 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from minddp import devices, registry
+from minddp import devices, errors, registry
 from minddp.algorithms import lanes, native, p2p, ring  # native, ring: where /dev/shm has no room
 
 try:  # the phases' flags (csrc/shm_flags.cpp); without them, a gloo all-reduce per phase
     from minddp._C import flag_arrive, flag_wait
 except ImportError:
     flag_arrive = flag_wait = None
-# False: phases through gloo even where the flags are built (tests run both).
+# False: phases through gloo even where the flags are built (tests run both). The sizes and
+# the cost below follow the build only, so that auto's candidates are alike on every rank.
 USE_FLAGS = flag_wait is not None and os.environ.get("MINDDP_SHM_FLAGS") != "0"
 
 log = logging.getLogger("minddp.algorithms")
@@ -68,7 +69,7 @@ DIRECTORY = "/dev/shm"
 # on 2 CPU ranks it lost up to 4 MiB copied in, won from 32 MiB. Through the flags (tens of
 # microseconds) it was as fast as gloo's all-reduce at 64 KiB copied in, 2x at 256 KiB and
 # 5x at 1 MiB (docs/performance.md).
-MIN_BYTES = 1 << 16 if USE_FLAGS else 1 << 20
+MIN_BYTES = 1 << 16 if flag_wait is not None else 1 << 20
 FLAG_PHASE_S = 30e-6  # a phase through the flags, where nobody is late (cost)
 HEADROOM, HEADROOM_BYTES = 0.25, 256 << 20  # of /dev/shm left free (_room_for)
 _groups = weakref.WeakKeyDictionary()  # group -> _Group
@@ -86,9 +87,10 @@ def _boot_id():
 
 def _pid_namespace():
     try:
-        return os.stat("/proc/self/ns/pid").st_ino
+        ns = os.stat("/proc/self/ns/pid")
     except OSError:
         return None
+    return ns.st_dev, ns.st_ino
 
 
 def _room_for(nbytes):
@@ -146,7 +148,7 @@ class _Group:
         self.device = devices.group_device(group)  # the small all-reduces' tensors
         # _agree's through gloo: what each rank passes, gathered (gloo's all-reduce of 3 or
         # more values took ~1.3 ms on 2 CPU ranks, its all-gather of them ~0.3 ms)
-        self.passed = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self.passed = torch.zeros(4, dtype=torch.int64, device=self.device)
         self.gathered = [torch.zeros_like(self.passed) for _ in range(self.size)]
         self.linked, self.next_key = {}, 0
         self.scratch = None  # a file per rank, mapped here, for tensors that are not buckets
@@ -155,6 +157,8 @@ class _Group:
         self.shared = probes is not None
         self.words = self._flags(probes) if self.shared else None
         self.generation = 0  # of the phases passed, counted alike on every rank
+        self.calls = 0  # all-reduces begun, alike on every rank (agree checks it)
+        self.broken = None  # why an all-reduce failed midway: the files' state is unknown
 
     @property
     def group(self):
@@ -201,13 +205,13 @@ class _Group:
             return None
         self.timeout = lanes.timeout_of(self.group).total_seconds()
         self.pids = [pid for pid, _, _ in seen]
-        # After the word, three values each rank posts for the others (gather):
-        # every mapping of one file, so a post is seen by every rank.
-        self.posts = [probe[8:32].view(torch.int64) for probe in probes]
+        # After the word, the values each rank posts for the others (gather): every
+        # mapping of one file, so a post is seen by every rank.
+        self.posts = [probe[8:40].view(torch.int64) for probe in probes]
         return [probe.data_ptr() for probe in probes]
 
     def gather(self, values):
-        """Every rank's three `values` (ints), by rank (a collective). Through the
+        """Every rank's four `values` (ints), by rank (a collective). Through the
         flags where there are some: posted, then a barrier; a rank posts again only
         after a later barrier, which every peer passes after reading this one."""
         if self.words is None:
@@ -360,6 +364,19 @@ def all_reduce(tensor, group=None, codec=None, error=None):
             f"minddp shared_memory (rank {state.rank}): the ranks of this group cannot map "
             f"one another's memory (not all on one host, or {DIRECTORY} not shared); "
             f"choose another algorithm (auto leaves this one out there).")
+    if state.broken is not None:
+        raise RuntimeError(
+            f"minddp shared_memory (rank {state.rank}): an earlier all-reduce on this group "
+            f"failed midway ({state.broken}), so what its files hold is unknown; sum on a new "
+            f"process group.")
+    try:
+        return _sum(state, tensor, group, codec, error)
+    except Exception as e:
+        state.broken = errors.first_line(e)
+        raise
+
+
+def _sum(state, tensor, group, codec, error):
     flat = tensor.view(-1)
     nbytes = flat.numel() * flat.element_size()
     if codec is not None:
@@ -389,9 +406,16 @@ def all_reduce(tensor, group=None, codec=None, error=None):
 
 def _agree(state, key, offset, nbytes):
     """The buffer key every rank passes (-1: none is shared); None where they differ
-    in key or offset (then each copies in); raises where they differ in size."""
-    passed = state.gather([key, offset, nbytes])
-    sizes = [size for _, _, size in passed]
+    in key or offset (then each copies in); raises where they differ in size, or are
+    not at the same call (a rank that went on after an error)."""
+    state.calls += 1
+    passed = state.gather([key, offset, nbytes, state.calls])
+    if any(p[3] != state.calls for p in passed):
+        raise RuntimeError(
+            f"minddp shared_memory (rank {state.rank}): the ranks are at different "
+            f"all-reduces (this rank's {state.calls}th, others' "
+            f"{sorted({p[3] for p in passed})}); every rank must make the same calls.")
+    sizes = [size for _, _, size, _ in passed]
     if min(sizes) != max(sizes):
         raise RuntimeError(
             f"minddp shared_memory (rank {state.rank}): the ranks passed tensors of "
@@ -499,7 +523,7 @@ def cost(nbytes, p, c):
     per byte); never chosen under MIN_BYTES."""
     if nbytes < MIN_BYTES:
         return float("inf")
-    phase = FLAG_PHASE_S if USE_FLAGS else c.native_alpha
+    phase = FLAG_PHASE_S if flag_wait is not None else c.native_alpha
     return 3 * phase + 2 * (p - 1) / p * nbytes * c.gamma
 
 
