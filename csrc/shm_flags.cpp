@@ -74,7 +74,8 @@ void arrive(uintptr_t address, uint32_t generation) {
 }
 
 // (0, -1): every word reached `generation`; (1, i): peer i's process is gone;
-// (2, i): peer i did not arrive within timeout_s. Runs without the GIL.
+// (2, i): peer i did not arrive within timeout_s. Runs without the GIL, taking it
+// every 50 ms of waiting to raise a pending KeyboardInterrupt.
 std::pair<int, int64_t> wait(const std::vector<uintptr_t>& addresses, uint32_t generation,
                              const std::vector<int64_t>& pids, double timeout_s) {
   const auto deadline = std::chrono::steady_clock::now() +
@@ -94,6 +95,10 @@ std::pair<int, int64_t> wait(const std::vector<uintptr_t>& addresses, uint32_t g
         if (!reached(word_at(addresses[k]), generation) && exited(pids[k])) return {1, k};
       }
       if (std::chrono::steady_clock::now() > deadline) return {2, i};
+      // Ctrl-C while waiting: Python's handler only notes the signal, and nothing would
+      // look at the note until the peer came or the timeout passed.
+      py::gil_scoped_acquire gil;
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     }
   }
   return {0, -1};

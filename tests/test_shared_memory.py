@@ -319,3 +319,19 @@ def test_a_peer_lost_between_phases_raises_naming_it(how):
         else:
             assert f"within the group's timeout ({timeout} s)" in error, error
             assert timeout - 0.5 < elapsed < timeout + 2, elapsed
+
+
+@pytest.mark.skipif(shared_memory.flag_wait is None, reason="minddp._C is not built: no flags")
+def test_ctrl_c_stops_a_wait_for_a_peer():
+    """A rank waiting on a flag that never comes still takes Ctrl-C (within the 50 ms
+    naps), not only the peer or the group's timeout."""
+    import signal
+    import threading
+    import time
+    word = torch.zeros(4, dtype=torch.int32)
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        shared_memory.flag_wait([word.data_ptr()], 1, [os.getpid()], 30.0)
+    assert time.monotonic() - start < 5
+    assert shared_memory.flag_wait([word.data_ptr()], 0, [os.getpid()], 1.0) == (0, -1)

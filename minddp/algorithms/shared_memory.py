@@ -371,7 +371,7 @@ def all_reduce(tensor, group=None, codec=None, error=None):
             f"process group.")
     try:
         return _sum(state, tensor, group, codec, error)
-    except Exception as e:
+    except BaseException as e:  # KeyboardInterrupt too: the phases stopped midway
         state.broken = errors.first_line(e)
         raise
 
