@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import socket
 import time
 import traceback
@@ -53,8 +54,30 @@ class WorldFailed(AssertionError):
     """A rank raised, died, or the world hung; the message says which."""
 
 
+def _ephemeral_ports():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port():
-    with socket.socket() as s:
+    """A port for the world's store, free now and below the ephemeral range: a port the
+    kernel hands out (bind to 0) may be given again, before rank 0 binds it, to one of
+    the gloo connections other tests' worlds are making (seen: EADDRINUSE in CI)."""
+    low, _ = _ephemeral_ports()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # all taken (unlikely): the kernel's choice after all
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
