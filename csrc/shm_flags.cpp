@@ -35,8 +35,12 @@ namespace {
 
 #ifdef __linux__
 // Generations wrap at 2^32: compare by difference, as TCP compares sequence numbers.
+bool at_least(uint32_t seen, uint32_t generation) {
+  return static_cast<int32_t>(seen - generation) >= 0;
+}
+
 bool reached(const std::atomic<uint32_t>* word, uint32_t generation) {
-  return static_cast<int32_t>(word->load(std::memory_order_acquire) - generation) >= 0;
+  return at_least(word->load(std::memory_order_acquire), generation);
 }
 
 std::atomic<uint32_t>* word_at(uintptr_t address) {
@@ -84,7 +88,7 @@ std::pair<int, int64_t> wait(const std::vector<uintptr_t>& addresses, uint32_t g
     std::atomic<uint32_t>* word = word_at(addresses[i]);
     for (;;) {
       const uint32_t seen = word->load(std::memory_order_acquire);
-      if (static_cast<int32_t>(seen - generation) >= 0) break;
+      if (at_least(seen, generation)) break;
       // Sleeps until the word changes from `seen`; wakes at least every 50 ms to
       // look at the peer and the clock.
       const timespec nap = {0, 50 * 1000 * 1000};

@@ -204,11 +204,14 @@ class _Group:
         if not all(has and ns is not None and ns == seen[0][1] for _, ns, has in seen):
             return None
         self.timeout = lanes.timeout_of(self.group).total_seconds()
-        self.pids = [pid for pid, _, _ in seen]
+        self.peers = [k for k in range(self.size) if k != self.rank]  # whom barrier waits for
+        self.peer_pids = [seen[k][0] for k in self.peers]
         # After the word, the values each rank posts for the others (gather): every
         # mapping of one file, so a post is seen by every rank.
         self.posts = [probe[8:40].view(torch.int64) for probe in probes]
-        return [probe.data_ptr() for probe in probes]
+        words = [probe.data_ptr() for probe in probes]
+        self.peer_words = [words[k] for k in self.peers]
+        return words
 
     def gather(self, values):
         """Every rank's four `values` (ints), by rank (a collective). Through the
@@ -231,14 +234,13 @@ class _Group:
             return
         self.generation = (self.generation + 1) % (1 << 32)
         flag_arrive(self.words[self.rank], self.generation)
-        peers = [k for k in range(self.size) if k != self.rank]
-        status, i = flag_wait([self.words[k] for k in peers], self.generation,
-                              [self.pids[k] for k in peers], self.timeout)
+        status, i = flag_wait(self.peer_words, self.generation, self.peer_pids, self.timeout)
         if status == 1:
-            raise RuntimeError(f"minddp shared_memory (rank {self.rank}): rank {peers[i]}'s "
-                               f"process exited in the middle of an all-reduce")
+            raise RuntimeError(f"minddp shared_memory (rank {self.rank}): rank "
+                               f"{self.peers[i]}'s process exited in the middle of an "
+                               f"all-reduce")
         if status == 2:
-            raise RuntimeError(f"minddp shared_memory (rank {self.rank}): rank {peers[i]} did "
+            raise RuntimeError(f"minddp shared_memory (rank {self.rank}): rank {self.peers[i]} did "
                                f"not reach the next phase of an all-reduce within the group's "
                                f"timeout ({self.timeout:.0f} s); it is stuck or far behind")
 
