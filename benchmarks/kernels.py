@@ -18,7 +18,8 @@ outputs once: compress 6 bytes/element, decompress 6, decompress_add_ 10, copy
 8; int8 one less), so the fused/copy column is the fraction of copy bandwidth
 reached.
 Repetitions are interleaved across all variants (a noisy shared machine slows
-them alike) and the median is reported.
+them alike) and the median is reported. On CUDA each time is the GPU's alone (see
+timed()): host dispatch is a per-call cost the step times of compare.py include.
 
 On CPU the script re-runs itself with glibc told to keep freed memory
 (GLIBC_TUNABLES below): glibc otherwise returns every block over 32 MiB to the
@@ -70,18 +71,35 @@ def variants(x, dtype):
     }
 
 
+# Cycles the GPU spins (torch.cuda._sleep) before a timed call, about a millisecond.
+HOLD_CYCLES = 2_000_000
+
+
 def timed(fn, device):
-    """Seconds one call of fn takes (CUDA: between events on the stream, no host overhead)."""
-    if device == "cuda":
+    """Seconds one call of fn takes (CUDA: the GPU's time between events, host dispatch hidden).
+
+    On CUDA a sleep kernel holds the stream while the host enqueues the start event, fn's
+    kernels and the end event, so the interval is the kernels' own time: without it, an op's
+    host dispatch (the op call, allocations, launches, 10-20 us) sits inside the interval while
+    the GPU idles, and a 64 MiB kernel on an H200 takes only 20-40 us. Where the GPU reached the
+    start event before the host finished (a longer dispatch, or fn synchronises), the sample
+    is retaken with a longer hold, twice at most.
+    """
+    if device != "cuda":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    for attempt in range(3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(HOLD_CYCLES << (2 * attempt))
         start.record()
         fn()
         end.record()
+        hidden = not start.query()  # the GPU is still sleeping: fn was enqueued in time
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+        if hidden:
+            break
+    return start.elapsed_time(end) / 1e3
 
 
 def measure(table, device, reps):
