@@ -162,6 +162,47 @@ def test_kernels_match_reference_bitwise(ops, device, name, dtype, offset):
     torch.testing.assert_close(dst, expected, **exact)
 
 
+# Byte offsets of packed data (16-byte aligned, 4-byte aligned only, misaligned) and element
+# offsets of float32 output: the kernels take a different path for each alignment.
+@pytest.mark.parametrize("dtype", DTYPES + [torch.int8])
+@pytest.mark.parametrize("ops,device", IMPLEMENTATIONS[1:])
+@pytest.mark.parametrize("packed_at", [0, 4, "one value"], ids=["packed16", "packed4", "packed1"])
+@pytest.mark.parametrize("dst_at", [0, 1], ids=["dst16", "dst1"])
+def test_decompress_from_slots_at_any_alignment(ops, device, dtype, packed_at, dst_at):
+    src = CASES["outlier-last"][:5 * reference.INT8_BLOCK + 37].to(device)
+    packed, scale = reference.compress(src, dtype)
+    size = packed.element_size()
+    at = size if packed_at == "one value" else packed_at  # a byte offset
+    room = torch.zeros(packed.numel() * size + 16, dtype=torch.uint8, device=device)
+    slot = room[at:at + packed.numel() * size].view(packed.dtype)
+    slot.copy_(packed)
+    dst_room = torch.randn(src.numel() + 1, generator=torch.Generator().manual_seed(3)).to(device)
+    dst = dst_room[dst_at:dst_at + src.numel()]
+    exact = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(ops.decompress(slot, scale), reference.decompress(packed, scale),
+                               **exact)
+    expected = reference.decompress_add_(dst.clone(), packed, scale)
+    ops.decompress_add_(dst, slot, scale)
+    torch.testing.assert_close(dst, expected, **exact)
+
+
+@needs_cuda_kernels
+@pytest.mark.parametrize("dtype", DTYPES + [torch.int8])
+def test_cuda_kernels_match_reference_on_a_large_tensor(dtype):
+    # past one pass of every thread of the grid (SMs x 8 blocks x 256 threads x 16 values)
+    src = torch.randn((9 << 20) + 3, generator=torch.Generator().manual_seed(4)).cuda()
+    src[-2] = 3e4  # the largest value in the last pass
+    packed, scale = torch.ops.minddp.compress(src, dtype)
+    ref_packed, ref_scale = reference.compress(src, dtype)
+    exact = dict(rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(scale, ref_scale, **exact)
+    torch.testing.assert_close(packed, ref_packed, **exact)
+    dst = torch.randn_like(src)
+    expected = reference.decompress_add_(dst.clone(), packed, scale)
+    torch.ops.minddp.decompress_add_(dst, packed, scale)
+    torch.testing.assert_close(dst, expected, **exact)
+
+
 @pytest.mark.parametrize("decode", [False, True], ids=["feedback", "feedback-decode"])
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("ops,device", IMPLEMENTATIONS)

@@ -183,8 +183,14 @@ __global__ void compress_int8_kernel(float* x, int64_t n, int64_t blocks, bool v
 }
 
 // Division, correctly rounded (int8 scales are not powers of two), then the add: as the
-// reference. The vector path takes 4 values a thread (a 4-byte load of packed data, a 16-byte
-// access of float32: 512 contiguous bytes a warp); 4 divides kInt8Block, so the 4 share a scale.
+// reference. The vector path takes groups of 4 values (a 4-byte load of packed data, a 16-byte
+// access of float32; 4 divides kInt8Block, so the 4 share a scale), kUnroll groups a thread per
+// pass, all loaded (packed values, scales, and dst to add to) before any is used: one 4-byte load in flight a thread leaves the kernel
+// waiting on memory latency. Lane t of a warp takes group t of each 32, so every load and store
+// instruction of a warp is contiguous (sixteen values a thread from one 16-byte load were
+// slower: a warp's stores then land 64 bytes apart).
+constexpr int kUnroll = 4;
+
 template <bool ADD>
 __global__ void unpack_int8_kernel(const signed char* p, int64_t n, bool vec, const float* scales,
                                    float* dst) {
@@ -192,20 +198,34 @@ __global__ void unpack_int8_kernel(const signed char* p, int64_t n, bool vec, co
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t start = 0;
   if (vec) {
-    for (int64_t g = i; g < n / 4; g += stride) {
-      const char4 q = reinterpret_cast<const char4*>(p)[g];
-      const float scale = scales[g * 4 / kInt8Block];
-      float4 v = make_float4(__fdiv_rn(float(q.x), scale), __fdiv_rn(float(q.y), scale),
-                             __fdiv_rn(float(q.z), scale), __fdiv_rn(float(q.w), scale));
-      float4* d = reinterpret_cast<float4*>(dst) + g;
-      if (ADD) {
-        const float4 o = *d;
-        v = make_float4(__fadd_rn(o.x, v.x), __fadd_rn(o.y, v.y), __fadd_rn(o.z, v.z),
-                        __fadd_rn(o.w, v.w));
+    const int64_t groups = n / 4;
+    for (int64_t g = i; g < groups; g += kUnroll * stride) {
+      char4 q[kUnroll];
+      float scale[kUnroll];
+      float4 old[kUnroll];
+      #pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t h = g + u * stride;
+        if (h >= groups) break;
+        q[u] = reinterpret_cast<const char4*>(p)[h];
+        scale[u] = scales[h * 4 / kInt8Block];
+        if (ADD) old[u] = reinterpret_cast<const float4*>(dst)[h];
       }
-      *d = v;
+      #pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t h = g + u * stride;
+        if (h >= groups) break;
+        float4 v = make_float4(
+            __fdiv_rn(float(q[u].x), scale[u]), __fdiv_rn(float(q[u].y), scale[u]),
+            __fdiv_rn(float(q[u].z), scale[u]), __fdiv_rn(float(q[u].w), scale[u]));
+        if (ADD) {
+          v = make_float4(__fadd_rn(old[u].x, v.x), __fadd_rn(old[u].y, v.y),
+                          __fadd_rn(old[u].z, v.z), __fadd_rn(old[u].w, v.w));
+        }
+        reinterpret_cast<float4*>(dst)[h] = v;
+      }
     }
-    start = n / 4 * 4;
+    start = groups * 4;
   }
   for (int64_t k = start + i; k < n; k += stride) {
     const float v = __fdiv_rn(static_cast<float>(p[k]), scales[k / kInt8Block]);
