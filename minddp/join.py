@@ -13,7 +13,9 @@ vector with zeros and then shadows what the step announced, in the same
 order: the buffer broadcast, and every bucket's all-reduce with zero
 gradients. When a status vector comes back all zeros, every rank has joined;
 the parameters and buffers of a rank that trained until the end are then
-broadcast to all (a joined rank skipped its optimizer steps).
+broadcast to all (a joined rank skipped its optimizer steps). Buffers and that
+final copy come from the highest rank among those training, as torch breaks the
+tie (a lower rank's BatchNorm statistics would differ from torch's run).
 
 Divisor: by default gradients are still divided by the full world size, as
 torch does (`divide_by_initial_world_size=True`): a joined rank counts as a
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from minddp.model_sync import broadcast_from_first
 
 
-# torch's words, which scripts match on.
+# torch's words, which scripts match on (the rank that ran out says which it is).
 EXHAUSTED = ("Detected at least one rank that exhausted inputs. Throwing across all ranks.")
 
 
@@ -60,23 +62,23 @@ class Join:
             if not status["anyone"]:
                 break
             if self.throw:  # the others learn it from this same exchange
-                raise RuntimeError(EXHAUSTED)
+                raise RuntimeError(f"Rank {self.rank} exhausted all inputs.")
             self._shadow(status)
         if self.last_active is not None and self.world > 1:
             broadcast_from_first([p.data for p in self.ddp._parameters_to_sync()] +
                                  self.ddp._buffers_to_sync(), self.group,
-                                 src=min(self.last_active))
+                                 src=max(self.last_active))
         return False
 
     def before_forward(self, broadcast_buffers, sync):
         """Called by a training rank's forward: announce the step; returns the rank
-        buffers come from (the lowest one still training) and what this step's
+        buffers come from (the highest one still training) and what this step's
         gradients are divided by."""
         status = self._exchange(active=True, broadcast_buffers=broadcast_buffers, sync=sync)
         if self.throw and len(status["active"]) < self.world:
             raise RuntimeError(EXHAUSTED)
         divisor = self.world if self.divide_by_initial else len(status["active"])
-        return min(status["active"]), divisor
+        return max(status["active"]), divisor
 
     def _exchange(self, active, broadcast_buffers, sync):
         flags = torch.zeros(self.world + 2, dtype=torch.int32, device=self.device)
@@ -96,6 +98,6 @@ class Join:
         """Match one step of the training ranks, with nothing of our own to add."""
         if status["broadcast_buffers"]:
             broadcast_from_first(self.ddp._buffers_to_sync(), self.group,
-                                 src=min(status["active"]))
+                                 src=max(status["active"]))
         if status["sync"]:
             self.ddp.reducer.shadow_backward()

@@ -61,3 +61,53 @@ def test_uneven_inputs_with_buffers_end_equal():
     results = run_world(_uneven, 3, "batchnorm", True, timeout=90)
     for rank, (mine, _) in enumerate(results):
         assert torch.equal(mine, results[0][0]), f"rank {rank} differs from rank 0"
+
+
+def _uneven_like_torch(rank, world_size, wrap):
+    """BatchNorm trained inside join() with uneven inputs: parameters and buffers."""
+    torch.manual_seed(0)
+    model = MODELS["batchnorm"]()
+    ddp = wrap(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    with ddp.join():
+        for step in range(_steps(rank)):
+            opt.zero_grad()
+            ddp(*batch("batchnorm", rank, step)).square().mean().backward()
+            opt.step()
+    return [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
+
+
+def _both_wrappers(rank, world_size):
+    return (_uneven_like_torch(rank, world_size, torch.nn.parallel.DistributedDataParallel),
+            _uneven_like_torch(rank, world_size, lambda m: minddp.DDP(m, algorithm="native")))
+
+
+def test_uneven_inputs_buffers_come_from_the_rank_torch_picks():
+    # torch broadcasts buffers inside join(), and the final model, from the highest rank
+    # still training: BatchNorm's running statistics show which rank they came from. Two
+    # ranks, so that sums are bitwise torch's too (at three, the bucket layouts' different
+    # orders of addition differ in the last bit: README, "bucket layout").
+    for rank, (theirs, ours) in enumerate(run_world(_both_wrappers, 2, timeout=90)):
+        for i, (a, b) in enumerate(zip(theirs, ours)):
+            assert torch.equal(a, b), f"rank {rank}: tensor {i} differs from torch DDP's"
+
+
+def _exhausted_message(rank, world_size, wrap):
+    model = wrap(torch.nn.Linear(2, 2))
+    try:
+        with model.join(throw_on_early_termination=True):
+            for _ in range(1 + rank):
+                model(torch.ones(1, 2)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _messages(rank, world_size):
+    return (_exhausted_message(rank, world_size, torch.nn.parallel.DistributedDataParallel),
+            _exhausted_message(rank, world_size, minddp.DDP))
+
+
+def test_early_termination_says_what_torch_says_on_every_rank():
+    for rank, (theirs, ours) in enumerate(run_world(_messages, 2, timeout=60)):
+        assert theirs is not None and ours == theirs, f"rank {rank}: {ours!r} vs {theirs!r}"
