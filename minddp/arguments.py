@@ -30,7 +30,10 @@ def buffer_sync(broadcast_buffers, forward_sync_buffers):
         else:
             warnings.warn("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` "
                           "instead. IMPORTANT: unlike `broadcast_buffers=False`, "
-                          "`forward_sync_buffers=False` still syncs buffers at init.",
+                          "`forward_sync_buffers=False` still syncs buffers at init. If you "
+                          "rely on buffers NOT being synced at init (e.g. rank-local buffers), "
+                          "keep using `broadcast_buffers=False` until `init_sync_buffers` is "
+                          "available.",
                           FutureWarning, stacklevel=3)
     if forward_sync_buffers is not None:
         return forward_sync_buffers, True
@@ -100,8 +103,11 @@ def check_comm_hook(hook):
     except (TypeError, ValueError):
         return
     bucket = signature.parameters.get("bucket")
-    if bucket is not None and bucket.annotation not in (inspect.Parameter.empty,
-                                                        dist.GradBucket, GradBucket):
+    if bucket is None:  # torch looks the parameter up by this name: a KeyError there too
+        raise KeyError(f"bucket: a comm hook is called as hook(state, bucket), and torch's DDP "
+                       f"requires its second parameter to be named `bucket`; minddp got "
+                       f"parameters {list(signature.parameters)}")
+    if bucket.annotation not in (inspect.Parameter.empty, dist.GradBucket, GradBucket):
         raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
     if signature.return_annotation not in (inspect.Signature.empty,
                                            torch.futures.Future[torch.Tensor]):

@@ -246,3 +246,28 @@ def test_every_torch_method_is_minddps_refused_or_harmless():
     ddp = object.__new__(minddp.DistributedDataParallel)
     with pytest.raises(NotImplementedError, match="_set_ddp_sink_clone"):
         ddp._set_ddp_sink_clone(False)
+
+
+def _warnings_and_hook_errors(rank, world_size):
+    import warnings
+
+    def misnamed(state, b):  # torch's DDP looks its hook's parameter up as `bucket`
+        raise AssertionError("never called")
+
+    seen = {}
+    for kind in ("torch", "minddp"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = _wrap(kind, nn.Linear(3, 3), broadcast_buffers=False)
+        seen[kind] = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+        try:
+            ddp.register_comm_hook(None, misnamed)
+        except Exception as e:  # noqa: BLE001 - the type is what is compared
+            seen[kind].append(type(e).__name__)
+    return seen
+
+
+def test_broadcast_buffers_warning_and_hook_checks_as_torch():
+    seen = run_world(_warnings_and_hook_errors, 1)[0]
+    assert seen["torch"][-1] == "KeyError", seen  # what torch 2.13 does: the oracle
+    assert seen["minddp"] == seen["torch"], seen
