@@ -9,6 +9,7 @@ class GradBucket:
     def __init__(self, bucket, is_last):
         self._bucket = bucket
         self._is_last = is_last
+        self._replaced = None  # what set_buffer gave, if anything: the hook's buffer from then
 
     def index(self):
         """Position of this bucket in reduction order (0 is reduced first)."""
@@ -16,18 +17,23 @@ class GradBucket:
 
     def buffer(self):
         """The flat gradient buffer (sum of local gradients, not yet averaged); for
-        a parameter that expects a sparse gradient, that sparse gradient itself."""
-        return self._bucket.buffer
+        a parameter that expects a sparse gradient, that sparse gradient itself.
+        After set_buffer, the tensor given there."""
+        return self._replaced if self._replaced is not None else self._bucket.buffer
 
     def _to_sum(self):
         """minddp's own reductions sum this: the buffer, with the step check's
         slots behind it where it has them (buckets.build, step_check.py)."""
+        if self._replaced is not None:
+            return self._replaced
         return self._bucket.carrier if self._bucket.carrier is not None else self._bucket.buffer
 
     def gradients(self):
         """Per-parameter row-major views into the buffer, shaped like the parameters
         (torch's: they ignore a parameter's own strides); none for a sparse bucket."""
-        return [] if self._bucket.sparse else self._bucket.flat_slices()
+        if self._bucket.sparse:
+            return []
+        return self._bucket.flat_slices(None if self._replaced is None else self._replaced.view(-1))
 
     def parameters(self):
         return list(self._bucket.params)
@@ -37,9 +43,12 @@ class GradBucket:
         return self._is_last
 
     def set_buffer(self, tensor):
-        """Replace the buffer's contents with `tensor` (same number of elements)."""
+        """Make `tensor` (as many elements as the buffer) the buffer from here on, as
+        torch's does: buffer() and gradients() return it, in its own dtype
+        (fp16_compress_wrapper reduces the bucket in fp16 through it); the reducer
+        casts the hook's result back to the bucket's dtype."""
         buffer = self._bucket.buffer
         if tensor.numel() != buffer.numel():
             raise ValueError(f"minddp: set_buffer got {tensor.numel()} elements for bucket "
                              f"{self.index()} of {buffer.numel()}")
-        buffer.copy_(tensor if buffer.is_sparse else tensor.reshape(-1))
+        self._replaced = tensor

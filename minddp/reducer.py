@@ -504,6 +504,9 @@ class Reducer:
                 f"return a Future whose value is the reduced bucket buffer "
                 f"({bucket.buffer.numel()} elements, {bucket.buffer.dtype}).")
         result = result.reshape(-1)
+        if result.dtype != bucket.buffer.dtype:  # a hook reduced a cast copy (set_buffer):
+            bucket.buffer.copy_(result)          # .grad keeps the parameter's dtype, as torch
+            result = bucket.buffer
         if self.as_view and not _aliases(result, bucket.buffer):
             bucket.buffer.copy_(result)  # .grad is the bucket slot: the result goes there
             result = bucket.buffer

@@ -21,6 +21,7 @@ from models import MODELS, batch
 
 
 def _assert_match(a, b, exact, what, loose=False):
+    assert a.dtype == b.dtype, f"{what}: {a.dtype}, torch's {b.dtype}"
     if loose:  # bf16 keeps 8 mantissa bits: relative error up to 2**-8 per value
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3, msg=what)
     elif exact:
@@ -129,6 +130,17 @@ def test_no_sync_accumulation():
 @pytest.mark.parametrize("hook", [default_hooks.allreduce_hook, default_hooks.fp16_compress_hook])
 def test_torch_comm_hooks_unchanged(hook):
     _assert_ranks_equal(run_world(_train_both, 2, "deep", 3, None, None, hook))
+
+
+def test_torch_hook_wrapper_unchanged():
+    # fp16_compress_wrapper replaces the bucket's buffer with an fp16 copy (set_buffer):
+    # the wrapped hook reduces in fp16, and .grad comes back float32.
+    _assert_ranks_equal(run_world(_train_wrapped, 2, "allreduce_hook"))
+
+
+def _train_wrapped(rank, world_size, inner):
+    hook = default_hooks.fp16_compress_wrapper(getattr(default_hooks, inner))
+    return _train_both(rank, world_size, "deep", 3, None, None, hook)
 
 
 def test_torch_bf16_hook_unchanged():
