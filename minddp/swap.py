@@ -7,15 +7,19 @@
 
 Accelerate (and the HF Trainer through it) builds its wrapper as
 `torch.nn.parallel.DistributedDataParallel(model, ...)`, looked up when it is
-called, so rebinding that one name is enough, before or after the framework
-is imported. torch's own module `torch.nn.parallel.distributed` keeps its
-class: torch's internals (dynamo, its join hook) refer to it there. Every
+called, so rebinding that one name is enough. Others took the name at import
+(`from torch.nn.parallel import DistributedDataParallel`: Ray Train's
+prepare_model, and Ray imports it in its workers before the user's code runs):
+every module already imported that holds torch's class under any name is
+rebound too, and put back on exit. torch's own modules keep its class: its
+internals (dynamo, the join hook) refer to it there. Every
 minddp wrapper passes `isinstance(model, DistributedDataParallel)` against
 torch's class; while the name is rebound, the check through the name holds
 for the wrappers built through it (the class below), which is what the
 frameworks that build through it then test.
 """
 import inspect
+import sys
 
 import torch.nn.parallel
 
@@ -56,6 +60,9 @@ class replace_torch_ddp:
                           DistributedDataParallel.keywords)
         DistributedDataParallel.keywords = dict(keywords)
         torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
+        self._rebound = _holders(ddp.TorchDDP)
+        for module, name in self._rebound:
+            setattr(module, name, DistributedDataParallel)
 
     def __enter__(self):
         return self
@@ -63,4 +70,22 @@ class replace_torch_ddp:
     def __exit__(self, *exc):
         torch.nn.parallel.DistributedDataParallel, DistributedDataParallel.keywords = \
             self._previous
+        for module, name in self._rebound:
+            if getattr(module, name, None) is DistributedDataParallel:
+                setattr(module, name, ddp.TorchDDP)
         return False
+
+
+def _holders(cls):
+    """(module, name) of every imported module outside torch and minddp that holds
+    `cls` as a global, whatever it is called there."""
+    found = []
+    for module_name, module in list(sys.modules.items()):
+        if module_name.split(".")[0] in ("torch", "minddp"):
+            continue
+        try:
+            names = [name for name, value in list(vars(module).items()) if value is cls]
+        except TypeError:  # no __dict__: not a module we can rebind in
+            continue
+        found.extend((module, name) for name in names)
+    return found

@@ -5,6 +5,9 @@ DistributedDataParallel)` and then call torch-private parts of the wrapper and
 its reducer. Each case runs the same script on torch's DDP and on minddp's and
 compares the weights; both ranks must also end bitwise equal.
 """
+import sys
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -177,6 +180,21 @@ def test_replace_torch_ddp_builds_minddp_and_restores_torch():
     built_in, algorithm, is_torch_ddp, after = run_world(_replaced, 2)[0]
     assert built_in.startswith("minddp") and algorithm == "ring" and is_torch_ddp
     assert after == "torch.nn.parallel.distributed"
+
+
+def test_replace_torch_ddp_reaches_names_imported_before_it():
+    # Ray Train's prepare_model: `from torch.nn.parallel import DistributedDataParallel`
+    # at import, in its workers, before the user's code can call replace_torch_ddp().
+    framework = types.ModuleType("a_framework_imported_first")
+    framework.DDP = TorchDDP
+    sys.modules[framework.__name__] = framework
+    try:
+        with minddp.replace_torch_ddp():
+            assert framework.DDP is minddp.swap.DistributedDataParallel
+            assert nn.parallel.distributed.DistributedDataParallel is not framework.DDP
+        assert framework.DDP is nn.parallel.distributed.DistributedDataParallel
+    finally:
+        del sys.modules[framework.__name__]
 
 
 def test_replace_torch_ddp_refuses_unknown_keywords():
