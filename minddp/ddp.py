@@ -9,6 +9,7 @@ comm hook registered with `register_comm_hook`.
 import collections
 import contextlib
 import functools
+import logging
 import warnings
 import weakref
 
@@ -33,10 +34,11 @@ from minddp.devices import group_device
 from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_model
 from minddp.reducer import Phase, Reducer
 from minddp.reduction import HookReduction, bucket_storage
-from minddp.replicas import DEFAULT_INTERVAL, ReplicaCheck, interval_of
+from minddp.replicas import DEFAULT_INTERVAL, ReplicaCheck, interval_of, keeps_replicas_apart
 from minddp.timeline import align as align_clocks
 from minddp.timeline import from_environment
 
+log = logging.getLogger("minddp")
 _constructed = collections.Counter()  # ranks -> wrappers constructed over them
 # torch's class, taken from its defining module, which replace_torch_ddp() never rebinds.
 TorchDDP = nn.parallel.distributed.DistributedDataParallel
@@ -359,6 +361,10 @@ class DistributedDataParallel(TorchDDP):
                                 "can only be called once.")
         self.reducer.set_reduction(HookReduction(state, hook))
         self.logger._set_comm_hook_name(getattr(hook, "__qualname__", type(hook).__qualname__))
+        if self.reducer.replicas is not None and keeps_replicas_apart(state, hook):
+            self.reducer.replicas = None  # every rank registers the same hook: off everywhere
+            log.info("minddp: check_replicas is off: the comm hook is local SGD, whose ranks' "
+                     "weights differ between model averagings by design")
 
     def _register_builtin_comm_hook(self, comm_hook_type):
         """torch's C++ built-in hooks, as the Python hooks that do the same."""

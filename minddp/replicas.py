@@ -50,6 +50,9 @@ peer's note): never a hang.
   finalize submits the check as any other.
 - a comm hook: it communicates on its own group; the check is on the gradient
   group, in its place before the buckets there, and does not touch the hook.
+  torch's local SGD hook (post_localSGD_hook) turns the check off: from its
+  start step each rank's weights move on their own between model averagings,
+  by design (keeps_replicas_apart).
 - join(): a rank that has joined shadows the check (reducer.shadow_backward)
   with a row marked absent: its weights lag behind legitimately (it skips
   the optimizer steps until the join ends and rank 0's weights are
@@ -75,6 +78,14 @@ SHOWN = 5  # differing parameters named in the message
 
 class ReplicasDiverged(RuntimeError):
     """The ranks' weights differ (raised on every rank, with the same message)."""
+
+
+def keeps_replicas_apart(state, hook):
+    """Whether a comm hook lets ranks' weights differ on purpose: torch's local SGD
+    (post_localSGD_hook, or any hook given its PostLocalSGDState), which stops
+    averaging gradients over all ranks at its start step."""
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as local_sgd
+    return hook is local_sgd.post_localSGD_hook or isinstance(state, local_sgd.PostLocalSGDState)
 
 
 def interval_of(value, rank):
@@ -206,7 +217,9 @@ class ReplicaCheck:
             f"optimizer step or in-place update run on some ranks but not others (code under "
             f"`if rank == 0`), a learning rate, optimizer state or random seed that differs "
             f"between ranks, a checkpoint loaded on some ranks after wrapping, an update that "
-            f"uses something other than the averaged .grad, a backward run inside the "
+            f"uses something other than the averaged .grad, a comm hook that averages over "
+            f"some ranks only (local SGD: torch's post_localSGD_hook turns this check off by "
+            f"itself), a backward run inside the "
             f"wrapper's forward before anything armed its reducer (it stays local, as under "
             f"torch's DDP: call ddp.reducer.prepare_for_backward([]) first, as Lightning "
             f"does), ranks on different hardware or "

@@ -274,3 +274,35 @@ def _default_on(rank, world_size):
 
 def test_on_by_default():
     assert run_world(_default_on, 2) == [(replicas.DEFAULT_INTERVAL,) * 2] * 2
+
+
+def _local_sgd(rank, world_size, wrap):
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as local_sgd
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ddp = wrap(model)
+    # no gradient all-reduce from step 2 on: each rank's weights go their own way
+    ddp.register_comm_hook(local_sgd.PostLocalSGDState(None, None, start_localSGD_iter=2,
+                                                       post_local_gradient_allreduce=False),
+                           local_sgd.post_localSGD_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 * rank + step)
+        ddp(torch.randn(3, 4, generator=g)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _local_sgd_both(rank, world_size):
+    return (_local_sgd(rank, world_size, torch.nn.parallel.DistributedDataParallel),
+            _local_sgd(rank, world_size,
+                       lambda m: minddp.DDP(m, algorithm="native", check_replicas=1)))
+
+
+def test_local_sgd_hook_turns_the_check_off():
+    # replicas differ on purpose between averagings: torch's numbers, no ReplicasDiverged
+    results = run_world(_local_sgd_both, 2, timeout=60)
+    for theirs, ours in results:
+        assert all(torch.equal(a, b) for a, b in zip(theirs, ours))
+    assert not torch.equal(results[0][1][0], results[1][1][0])  # the ranks did part
