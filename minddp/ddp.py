@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.join import _JoinConfig
+from torch.distributed.algorithms.join import Join as TorchJoin, _JoinConfig
 from torch.utils import _pytree as pytree
 
 from minddp import arguments
@@ -27,7 +27,7 @@ from minddp import compression as compressing
 from minddp.algorithms import native
 from minddp.errors import first_line
 from minddp.health import PeerProgress
-from minddp.join import Join
+from minddp.join import Join, JoinHook
 from minddp.logging_data import DDPLogger
 from minddp import overlap
 from minddp.devices import group_device
@@ -133,6 +133,7 @@ class DistributedDataParallel(TorchDDP):
                                      else bucket_cap_mb) * 1024 * 1024)
         self.bucket_bytes_cap_list = [int(c * 1024 * 1024) for c in bucket_cap_mb_list or []]
         self._join = None  # the active join() context, if any
+        self._generic_join = None  # what a torch Join([self, ...]) drives (join_hook)
         self._timeout = timeout
         self.check_replicas = interval_of(check_replicas, rank)
         self.world_size = dist.get_world_size(group)
@@ -302,8 +303,12 @@ class DistributedDataParallel(TorchDDP):
                         self.world_size > 1)
         buffers = self._buffers_to_sync() if sync_buffers else []
         source, self._divisor = 0, self.world_size
-        if self._join is not None:  # uneven inputs: tell the joined ranks what comes
-            source, self._divisor = self._join.before_forward(bool(buffers), synced)
+        join = self._join
+        if self._join_config.enable:  # inside torch's Join([self, ...]): count in first
+            TorchJoin.notify_join_context(self)
+            join = join or self._generic_join
+        if join is not None:  # uneven inputs: tell the joined ranks what comes
+            source, self._divisor = join.before_forward(bool(buffers), synced)
         if buffers:
             with torch.no_grad():
                 broadcast_from_first(buffers, self.process_group, src=source)
@@ -377,11 +382,12 @@ class DistributedDataParallel(TorchDDP):
         self.reducer.reduction.name = str(comm_hook_type)
         self.logger._set_comm_hook_name(str(comm_hook_type))
 
-    def join_hook(self, **kwargs):
-        raise NotImplementedError(
-            "minddp's DistributedDataParallel is not a torch Joinable: torch.distributed."
-            "algorithms.Join([ddp, ...]) cannot drive it. Use `with ddp.join():` around the "
-            "training loop (README, 'Differences from torch DDP').")
+    def join_hook(self, divide_by_initial_world_size=True, **kwargs):
+        """For torch's generic `Join([ddp, ...])` (with ZeroRedundancyOptimizer, say): the
+        hook a joined rank runs to match the others' steps (join.JoinHook). torch's Join
+        raises early termination itself, so minddp's join here never throws."""
+        self._generic_join = Join(self, divide_by_initial_world_size, False)
+        return JoinHook(self._generic_join)
 
     def _get_ddp_logging_data(self):
         """torch's dict of what DDP logs about itself, with minddp's values
@@ -450,7 +456,8 @@ class DistributedDataParallel(TorchDDP):
                                "init_process_group and have not passed process_group argument "
                                "to DDP constructor")
         state = dict(self.__dict__)
-        for key in ("process_group", "reducer", "engine", "_join", "timeline", "logger"):
+        for key in ("process_group", "reducer", "engine", "_join", "_generic_join", "timeline",
+                    "logger"):
             state.pop(key, None)
         state["_static_graph"] = state.pop("static_graph")
         return state
@@ -459,7 +466,7 @@ class DistributedDataParallel(TorchDDP):
         static_graph = state.pop("_static_graph")
         nn.Module.__setstate__(self, state)  # not torch DDP's: it would build torch's reducer
         self.process_group = dist.group.WORLD
-        self._join, self.static_graph = None, False
+        self._join, self._generic_join, self.static_graph = None, None, False
         self.timeline = None
         self._take_name()  # the original may live on beside this copy
         with _current(self.device):

@@ -28,6 +28,7 @@ its loop, the others in their next forward).
 """
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms import join as torch_join
 
 from minddp.model_sync import broadcast_from_first
 
@@ -64,11 +65,16 @@ class Join:
             if self.throw:  # the others learn it from this same exchange
                 raise RuntimeError(f"Rank {self.rank} exhausted all inputs.")
             self._shadow(status)
+        self.sync_final_model()
+        return False
+
+    def sync_final_model(self):
+        """Every rank: the parameters and buffers of the highest rank that trained in
+        the last step go to all (a joined rank skipped its optimizer steps)."""
         if self.last_active is not None and self.world > 1:
             broadcast_from_first([p.data for p in self.ddp._parameters_to_sync()] +
                                  self.ddp._buffers_to_sync(), self.group,
                                  src=max(self.last_active))
-        return False
 
     def before_forward(self, broadcast_buffers, sync):
         """Called by a training rank's forward: announce the step; returns the rank
@@ -101,3 +107,21 @@ class Join:
                                  src=max(status["active"]))
         if status["sync"]:
             self.ddp.reducer.shadow_backward()
+
+
+class JoinHook(torch_join.JoinHook):
+    """minddp's wrapper under torch's generic `Join([ddp, zero, ...])`: torch's loop
+    runs main_hook on a rank that has joined, once per step the others still take
+    (after its own count of who is left), and post_hook on every rank at the end.
+    The wrapper's forward announces each step to it as inside `ddp.join()`."""
+
+    def __init__(self, join):
+        self.join = join
+
+    def main_hook(self):
+        self.join._shadow(self.join._exchange(active=False, broadcast_buffers=False, sync=False))
+
+    def post_hook(self, is_last_joiner):
+        # last_active, seen alike by every rank, is the set of last joiners
+        self.join.sync_final_model()
+        self.join.ddp._generic_join = None

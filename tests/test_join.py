@@ -111,3 +111,45 @@ def _messages(rank, world_size):
 def test_early_termination_says_what_torch_says_on_every_rank():
     for rank, (theirs, ours) in enumerate(run_world(_messages, 2, timeout=60)):
         assert theirs is not None and ours == theirs, f"rank {rank}: {ours!r} vs {theirs!r}"
+
+
+def _generic_join(rank, world_size, wrap, with_zero, throw):
+    """torch's Join([ddp, ...]) with uneven inputs: parameters and buffers, or the error."""
+    from torch.distributed.algorithms import Join as TorchJoin
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    torch.manual_seed(0)
+    model = MODELS["batchnorm"]()
+    ddp = wrap(model)
+    if with_zero:
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, lr=LR)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    try:
+        with TorchJoin([ddp, opt] if with_zero else [ddp], throw_on_early_termination=throw):
+            for step in range(_steps(rank)):
+                opt.zero_grad()
+                ddp(*batch("batchnorm", rank, step)).square().mean().backward()
+                opt.step()
+    except RuntimeError as e:
+        return str(e)
+    ddp(*batch("batchnorm", rank, 99)).sum().backward()  # training goes on after it
+    return [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
+
+
+def _generic_both(rank, world_size, with_zero, throw):
+    return [_generic_join(rank, world_size, wrap, with_zero, throw)
+            for wrap in (torch.nn.parallel.DistributedDataParallel,
+                         lambda m: minddp.DDP(m, algorithm="native"))]
+
+
+@pytest.mark.parametrize("with_zero, throw", [(False, False), (True, False), (False, True)],
+                         ids=["ddp", "ddp+zero", "throw"])
+def test_torch_generic_join_drives_minddp_as_torch_ddp(with_zero, throw):
+    for rank, (theirs, ours) in enumerate(run_world(_generic_both, 2, with_zero, throw,
+                                                    timeout=90)):
+        if throw:
+            assert isinstance(theirs, str) and ours == theirs, (rank, theirs, ours)
+            continue
+        assert not isinstance(ours, str), f"rank {rank}: {ours}"
+        for i, (a, b) in enumerate(zip(theirs, ours)):
+            assert torch.equal(a, b), f"rank {rank}: tensor {i} differs from torch DDP's"
