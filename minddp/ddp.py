@@ -424,6 +424,12 @@ class DistributedDataParallel(TorchDDP):
     def broadcast_buffers(self):
         return self.forward_sync_buffers
 
+    @property
+    def _has_rebuilt_buckets(self):
+        """torch's flag that the bucket layout is final (ZeRO's hook_with_zero_step waits
+        for it before it maps buckets to its shards)."""
+        return self.reducer.layout_settled
+
     @broadcast_buffers.setter
     def broadcast_buffers(self, value):
         self.forward_sync_buffers = value

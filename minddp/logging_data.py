@@ -241,9 +241,7 @@ class DDPLogger:
     def _log_buckets(self, reducer):
         self.ints["unused_parameter_size"] = sum(
             reducer.params[i].numel() * reducer.params[i].element_size() for i in reducer._unused)
-        # torch never re-lays buckets with find_unused_parameters (and no static graph).
-        settled = int(reducer.planner is None and reducer.iterations > 0 and
-                      not reducer.find_unused)
+        settled = int(reducer.layout_settled)
         if self.ints.get("has_rebuilt_buckets") != settled:
             self.ints["has_rebuilt_buckets"] = settled
             if settled:

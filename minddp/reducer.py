@@ -191,6 +191,14 @@ class Reducer:
         self.phase = self.phase  # the hooks mark the used map from now on
 
     @property
+    def layout_settled(self):
+        """Whether torch's reducer would have rebuilt its buckets by now (after the first
+        backward; never with find_unused_parameters alone), and minddp's own layout is
+        final (bucket_cap_mb="auto" has planned): what torch's _has_rebuilt_buckets and
+        its logging's has_rebuilt_buckets report."""
+        return self.planner is None and self.iterations > 0 and not self.find_unused
+
+    @property
     def in_first_static_iteration(self):
         return self.static_graph and self._static_counts is None
 
