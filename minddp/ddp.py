@@ -115,6 +115,11 @@ class DistributedDataParallel(TorchDDP):
             broadcast_buffers, forward_sync_buffers)
         self.module = module
         self.device = named[0][1].device
+        if self.device.type == "cpu" and any(isinstance(m, nn.SyncBatchNorm)
+                                             for m in module.modules()):
+            raise ValueError(f"SyncBatchNorm layers only work with GPU modules (minddp, rank "
+                             f"{rank}: as torch's DDP; on CPU use BatchNorm, e.g. build the "
+                             f"model without nn.SyncBatchNorm.convert_sync_batchnorm)")
         self.device_ids = None if device_ids is None or self.device.type == "cpu" else [
             arguments.index(d) for d in device_ids]
         self.output_device = None if self.device_ids is None else arguments.index(

@@ -320,3 +320,19 @@ def test_zero_overlapped_with_ddp_as_torch():
                                           run_world(_zero_overlap, 2, "minddp")):
         assert moved  # ZeRO stepped at all
         assert all(torch.equal(a, b) for a, b in zip(theirs, ours))
+
+
+def _sync_batchnorm_on_cpu(rank, world_size):
+    model = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4))
+    errors = []
+    for kind in ("torch", "minddp"):
+        try:
+            _wrap(kind, model)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_sync_batchnorm_on_cpu_refused_at_construction_as_torch():
+    for errors in run_world(_sync_batchnorm_on_cpu, 2):
+        assert len(errors) == 2 and errors[1].startswith(errors[0]), errors
