@@ -307,11 +307,14 @@ class DistributedDataParallel(TorchDDP):
         sync_buffers = (self.require_forward_param_sync and self.forward_sync_buffers and
                         self.world_size > 1)
         buffers = self._buffers_to_sync() if sync_buffers else []
-        source, self._divisor = 0, self.world_size
+        # torch's DDP, once any join has been entered, takes buffers from the highest rank
+        # (its _join_config stays enabled after the join ends).
+        source = self.world_size - 1 if self._join_config.enable else 0
+        self._divisor = self.world_size
         join = self._join
-        if self._join_config.enable:  # inside torch's Join([self, ...]): count in first
-            TorchJoin.notify_join_context(self)
-            join = join or self._generic_join
+        if join is None and self._generic_join is not None:  # inside torch's Join([self])
+            TorchJoin.notify_join_context(self)  # count in first, as torch's DDP
+            join = self._generic_join
         if join is not None:  # uneven inputs: tell the joined ranks what comes
             source, self._divisor = join.before_forward(bool(buffers), synced)
         if buffers:
@@ -340,6 +343,10 @@ class DistributedDataParallel(TorchDDP):
         """Context manager for uneven inputs: ranks that run out of batches keep
         matching the others' communication until every rank is done (join.py)."""
         self.logger._set_uneven_input_join()  # also when not enabled, as torch logs it
+        # torch's join is Join([self]), which leaves this config behind (see _pre_forward)
+        self._join_config = _JoinConfig(enable=enable,
+                                        throw_on_early_termination=throw_on_early_termination,
+                                        is_first_joinable=True)
         if not enable:
             return contextlib.nullcontext()
         return Join(self, divide_by_initial_world_size, throw_on_early_termination)
@@ -373,8 +380,8 @@ class DistributedDataParallel(TorchDDP):
         self.logger._set_comm_hook_name(getattr(hook, "__qualname__", type(hook).__qualname__))
         if self.reducer.replicas is not None and keeps_replicas_apart(state, hook):
             self.reducer.replicas = None  # every rank registers the same hook: off everywhere
-            log.info("minddp: check_replicas is off: the comm hook is local SGD, whose ranks' "
-                     "weights differ between model averagings by design")
+            log.info("minddp: check_replicas is off: the comm hook (local SGD, or no "
+                     "communication) lets the ranks' weights differ by design")
 
     def _register_builtin_comm_hook(self, comm_hook_type):
         """torch's C++ built-in hooks, as the Python hooks that do the same."""
@@ -391,6 +398,7 @@ class DistributedDataParallel(TorchDDP):
         """For torch's generic `Join([ddp, ...])` (with ZeroRedundancyOptimizer, say): the
         hook a joined rank runs to match the others' steps (join.JoinHook). torch's Join
         raises early termination itself, so minddp's join here never throws."""
+        self.logger._set_uneven_input_join()
         self._generic_join = Join(self, divide_by_initial_world_size, False)
         return JoinHook(self._generic_join)
 

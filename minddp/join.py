@@ -52,6 +52,7 @@ class Join:
 
     def __enter__(self):
         self.ddp._join = self
+        self.ddp._generic_join = None  # a torch Join left by an error: superseded
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -69,12 +70,13 @@ class Join:
         return False
 
     def sync_final_model(self):
-        """Every rank: the parameters and buffers of the highest rank that trained in
-        the last step go to all (a joined rank skipped its optimizer steps)."""
-        if self.last_active is not None and self.world > 1:
-            broadcast_from_first([p.data for p in self.ddp._parameters_to_sync()] +
-                                 self.ddp._buffers_to_sync(), self.group,
-                                 src=max(self.last_active))
+        """Every rank: the parameters (and buffers, where the wrapper syncs them) of the
+        highest rank that trained in the last step go to all (a joined rank skipped its
+        optimizer steps); the highest rank of all where none trained, as torch."""
+        if self.world > 1:
+            buffers = self.ddp._buffers_to_sync() if self.ddp.forward_sync_buffers else []
+            broadcast_from_first([p.data for p in self.ddp._parameters_to_sync()] + buffers,
+                                 self.group, src=max(self.last_active or [self.world - 1]))
 
     def before_forward(self, broadcast_buffers, sync):
         """Called by a training rank's forward: announce the step; returns the rank

@@ -193,10 +193,11 @@ class Reducer:
     @property
     def layout_settled(self):
         """Whether torch's reducer would have rebuilt its buckets by now (after the first
-        backward; never with find_unused_parameters alone), and minddp's own layout is
-        final (bucket_cap_mb="auto" has planned): what torch's _has_rebuilt_buckets and
-        its logging's has_rebuilt_buckets report."""
-        return self.planner is None and self.iterations > 0 and not self.find_unused
+        backward, the second with static_graph; never with find_unused_parameters alone)
+        and minddp's own layout is final (bucket_cap_mb="auto" has planned): what torch's
+        _has_rebuilt_buckets and its logging's has_rebuilt_buckets report."""
+        return (self.planner is None and not self.find_unused and
+                self.iterations > (1 if self.static_graph else 0))
 
     @property
     def in_first_static_iteration(self):

@@ -50,9 +50,9 @@ peer's note): never a hang.
   finalize submits the check as any other.
 - a comm hook: it communicates on its own group; the check is on the gradient
   group, in its place before the buckets there, and does not touch the hook.
-  torch's local SGD hook (post_localSGD_hook) turns the check off: from its
-  start step each rank's weights move on their own between model averagings,
-  by design (keeps_replicas_apart).
+  torch's local SGD hook (post_localSGD_hook) and noop_hook turn the check
+  off: from its start step each rank's weights move on their own between
+  model averagings, by design (keeps_replicas_apart).
 - join(): a rank that has joined shadows the check (reducer.shadow_backward)
   with a row marked absent: its weights lag behind legitimately (it skips
   the optimizer steps until the join ends and rank 0's weights are
@@ -83,9 +83,12 @@ class ReplicasDiverged(RuntimeError):
 def keeps_replicas_apart(state, hook):
     """Whether a comm hook lets ranks' weights differ on purpose: torch's local SGD
     (post_localSGD_hook, or any hook given its PostLocalSGDState), which stops
-    averaging gradients over all ranks at its start step."""
+    averaging gradients over all ranks at its start step, and its noop_hook (no
+    communication at all, for benchmarks)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as local_sgd
-    return hook is local_sgd.post_localSGD_hook or isinstance(state, local_sgd.PostLocalSGDState)
+    return (hook in (local_sgd.post_localSGD_hook, debugging_hooks.noop_hook)
+            or isinstance(state, local_sgd.PostLocalSGDState))
 
 
 def interval_of(value, rank):

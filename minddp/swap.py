@@ -11,7 +11,9 @@ called, so rebinding that one name is enough. Others took the name at import
 (`from torch.nn.parallel import DistributedDataParallel`: Ray Train's
 prepare_model, and Ray imports it in its workers before the user's code runs):
 every module already imported that holds torch's class under any name is
-rebound too, and put back on exit. torch's own modules keep its class: its
+rebound too (a script's own alias of torch's class included: keep torch's
+class as `torch.nn.parallel.distributed.DistributedDataParallel` to build
+torch's DDP meanwhile), and put back on exit. torch's own modules keep its class: its
 internals (dynamo, the join hook) refer to it there. Every
 minddp wrapper passes `isinstance(model, DistributedDataParallel)` against
 torch's class; while the name is rebound, the check through the name holds
@@ -56,11 +58,11 @@ class replace_torch_ddp:
             raise TypeError(f"minddp.replace_torch_ddp: unknown keyword(s) {unknown}; minddp's "
                             f"own are {list(MINDDP_KEYWORDS)} (torch's keywords go to the "
                             f"framework, which passes them on).")
+        self._rebound = _holders(ddp.TorchDDP)  # found first: nothing is half-rebound
         self._previous = (torch.nn.parallel.DistributedDataParallel,
                           DistributedDataParallel.keywords)
         DistributedDataParallel.keywords = dict(keywords)
         torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
-        self._rebound = _holders(ddp.TorchDDP)
         for module, name in self._rebound:
             setattr(module, name, DistributedDataParallel)
 
@@ -83,9 +85,10 @@ def _holders(cls):
     for module_name, module in list(sys.modules.items()):
         if module_name.split(".")[0] in ("torch", "minddp"):
             continue
-        try:
-            names = [name for name, value in list(vars(module).items()) if value is cls]
-        except TypeError:  # no __dict__: not a module we can rebind in
+        try:  # the plain __dict__: a lazily loaded module must not load (or fail) here
+            namespace = object.__getattribute__(module, "__dict__")
+            names = [name for name, value in list(namespace.items()) if value is cls]
+        except Exception:  # noqa: BLE001 - no plain namespace: nothing to rebind there
             continue
         found.extend((module, name) for name in names)
     return found

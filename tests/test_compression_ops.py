@@ -197,6 +197,8 @@ def test_cuda_kernels_match_reference_on_a_large_tensor(dtype):
     exact = dict(rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(scale, ref_scale, **exact)
     torch.testing.assert_close(packed, ref_packed, **exact)
+    torch.testing.assert_close(torch.ops.minddp.decompress(packed, scale),
+                               reference.decompress(packed, scale), **exact)
     dst = torch.randn_like(src)
     expected = reference.decompress_add_(dst.clone(), packed, scale)
     torch.ops.minddp.decompress_add_(dst, packed, scale)

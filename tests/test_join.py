@@ -63,31 +63,40 @@ def test_uneven_inputs_with_buffers_end_equal():
         assert torch.equal(mine, results[0][0]), f"rank {rank} differs from rank 0"
 
 
-def _uneven_like_torch(rank, world_size, wrap):
-    """BatchNorm trained inside join() with uneven inputs: parameters and buffers."""
+def _uneven_like_torch(rank, world_size, wrap, **kwargs):
+    """BatchNorm trained inside join() with uneven inputs, then two steps after it:
+    parameters and buffers."""
     torch.manual_seed(0)
     model = MODELS["batchnorm"]()
-    ddp = wrap(model)
+    ddp = wrap(model, **kwargs)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     with ddp.join():
         for step in range(_steps(rank)):
             opt.zero_grad()
             ddp(*batch("batchnorm", rank, step)).square().mean().backward()
             opt.step()
+    for step in (100, 101):  # buffers now differ by rank: the second forward shows the source
+        ddp(*batch("batchnorm", rank, step)).square().mean().backward()
     return [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
 
 
-def _both_wrappers(rank, world_size):
-    return (_uneven_like_torch(rank, world_size, torch.nn.parallel.DistributedDataParallel),
-            _uneven_like_torch(rank, world_size, lambda m: minddp.DDP(m, algorithm="native")))
+def _both_wrappers(rank, world_size, broadcast_buffers):
+    kwargs = {"broadcast_buffers": broadcast_buffers}
+    return (_uneven_like_torch(rank, world_size, torch.nn.parallel.DistributedDataParallel,
+                               **kwargs),
+            _uneven_like_torch(rank, world_size, lambda m, **kw: minddp.DDP(
+                m, algorithm="native", **kw), **kwargs))
 
 
-def test_uneven_inputs_buffers_come_from_the_rank_torch_picks():
-    # torch broadcasts buffers inside join(), and the final model, from the highest rank
-    # still training: BatchNorm's running statistics show which rank they came from. Two
-    # ranks, so that sums are bitwise torch's too (at three, the bucket layouts' different
-    # orders of addition differ in the last bit: README, "bucket layout").
-    for rank, (theirs, ours) in enumerate(run_world(_both_wrappers, 2, timeout=90)):
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+def test_uneven_inputs_buffers_come_from_the_rank_torch_picks(broadcast_buffers):
+    # torch broadcasts buffers inside join(), the final model, and buffers in every forward
+    # after a join, from the highest rank (still training); with broadcast_buffers=False it
+    # sends none. BatchNorm's running statistics show which rank they came from. Two ranks,
+    # so that sums are bitwise torch's too (at three, the bucket layouts' orders of addition
+    # differ in the last bit: README, "bucket layout").
+    results = run_world(_both_wrappers, 2, broadcast_buffers, timeout=90)
+    for rank, (theirs, ours) in enumerate(results):
         for i, (a, b) in enumerate(zip(theirs, ours)):
             assert torch.equal(a, b), f"rank {rank}: tensor {i} differs from torch DDP's"
 
@@ -132,7 +141,11 @@ def _generic_join(rank, world_size, wrap, with_zero, throw):
                 opt.step()
     except RuntimeError as e:
         return str(e)
-    ddp(*batch("batchnorm", rank, 99)).sum().backward()  # training goes on after it
+    for step in (99, 100):  # training goes on after it; buffers from the rank torch picks
+        ddp(*batch("batchnorm", rank, step)).sum().backward()
+    with ddp.join():  # and ddp.join() works after a torch Join
+        for step in range(_steps(1 - rank)):
+            ddp(*batch("batchnorm", rank, 200 + step)).sum().backward()
     return [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
 
 

@@ -197,6 +197,24 @@ def test_replace_torch_ddp_reaches_names_imported_before_it():
         del sys.modules[framework.__name__]
 
 
+class _LoadsOnAnyAttribute(types.ModuleType):
+    """A lazily loaded module: any attribute read would import it (here: fail)."""
+
+    def __getattribute__(self, name):
+        raise ImportError("a lazy module loaded by replace_torch_ddp")
+
+
+def test_replace_torch_ddp_leaves_lazy_modules_unloaded():
+    lazy = _LoadsOnAnyAttribute("a_lazy_module")
+    sys.modules["a_lazy_module"] = lazy
+    try:
+        with minddp.replace_torch_ddp():
+            assert torch.nn.parallel.DistributedDataParallel is minddp.swap.DistributedDataParallel
+    finally:
+        del sys.modules["a_lazy_module"]
+    assert torch.nn.parallel.DistributedDataParallel is TorchDDP
+
+
 def test_replace_torch_ddp_refuses_unknown_keywords():
     with pytest.raises(TypeError, match="unknown keyword"):
         minddp.replace_torch_ddp(find_unused_parameters=True)
@@ -289,13 +307,13 @@ def test_broadcast_buffers_warning_and_hook_checks_as_torch():
     assert seen["minddp"] == seen["torch"], seen
 
 
-def _zero_overlap(rank, world_size, kind):
+def _zero_overlap(rank, world_size, kind, static_graph):
     from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.optim import ZeroRedundancyOptimizer
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
-    ddp = _wrap(kind, model, bucket_cap_mb=1e-4)  # several buckets
+    ddp = _wrap(kind, model, bucket_cap_mb=1e-4, static_graph=static_graph)  # several buckets
     zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD,
                                    overlap_with_ddp=True, lr=0.05)
     # torch refuses gloo here (pytorch#62300: it may hang with NCCL's semantics assumed);
@@ -307,7 +325,7 @@ def _zero_overlap(rank, world_size, kind):
         dist.get_backend = real
     ddp.register_comm_hook(None, hook)
     start = [p.detach().clone() for p in model.parameters()]
-    for step in range(5):  # ZeRO starts stepping once the buckets are final (step 2 on)
+    for step in range(5):  # ZeRO steps once the buckets are final (step 2 on, 3 static)
         x, y = _batch(rank, step)
         nn.functional.mse_loss(ddp(x), y).backward()
         zero.step()
@@ -315,9 +333,10 @@ def _zero_overlap(rank, world_size, kind):
     return moved, [p.detach().clone() for p in model.parameters()]
 
 
-def test_zero_overlapped_with_ddp_as_torch():
-    for (moved, theirs), (_, ours) in zip(run_world(_zero_overlap, 2, "torch"),
-                                          run_world(_zero_overlap, 2, "minddp")):
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_zero_overlapped_with_ddp_as_torch(static_graph):
+    for (moved, theirs), (_, ours) in zip(run_world(_zero_overlap, 2, "torch", static_graph),
+                                          run_world(_zero_overlap, 2, "minddp", static_graph)):
         assert moved  # ZeRO stepped at all
         assert all(torch.equal(a, b) for a, b in zip(theirs, ours))
 
