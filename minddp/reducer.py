@@ -63,6 +63,7 @@ from minddp.errors import first_line, invariant
 from minddp.grad_bucket import GradBucket
 from minddp.graph import reached_parameters
 from minddp.overlap import PLAN_AT, Recorder
+from minddp.rpc_grads import current_context, gradients
 from minddp.step_check import StepCheck
 from minddp.timeline import now_us, profiled
 
@@ -103,6 +104,7 @@ class Reducer:
         self.count_used = count_used
         self.step_check = StepCheck(sum_step, rank, world_size)
         self.replicas = replicas  # replicas.ReplicaCheck, or None: check_replicas is off
+        self.dist_context = None  # the armed backward's distributed autograd context (rpc_grads)
         self._replica_future = None
         self.progress = progress  # health.PeerProgress: names the peer when a bucket fails
         self.timeline = timeline  # see timeline.py; None records nothing
@@ -158,6 +160,7 @@ class Reducer:
         Accelerate's trigger_sync_in_backward), so it keeps that signature."""
         self.phase = Phase.ARMED
         self.divisor = self.world_size if divisor is None else divisor
+        self.dist_context = current_context()  # where this backward's gradients will be
         self.forwards += 1
         if self.find_unused:
             reached = reached_parameters(outputs)
@@ -293,12 +296,13 @@ class Reducer:
         accumulated under no_sync), or zeros where it has none. The numbers are
         torch's: a copied gradient times 1/divisor, one already in the bucket
         (gradient_as_bucket_view) divided by it."""
+        present = gradients(bucket.params, self.dist_context)
         if bucket.sparse:
-            index = bucket.indices[0]
-            return self._sparse_ready(index, bucket, self.params[index].grad)
-        grads = [param.grad for param in bucket.params]
-        if not self.as_view and all(g is not None and not g.is_sparse and not g.requires_grad
-                                    for g in grads):  # the usual step: one copy, one scale
+            return self._sparse_ready(bucket.indices[0], bucket, present[0])
+        as_view = self.as_view and self.dist_context is None  # a context's grads stay its own
+        if not as_view and all(g is not None and not g.is_sparse and not g.requires_grad
+                               for g in present):  # the usual step: one copy, one scale
+            grads = present
             if self.reduction.prescaled and self.divisor != 1:
                 bucket.copy_scaled(grads, 1.0 / self.divisor)
             else:
@@ -306,7 +310,7 @@ class Reducer:
             return
         copied, grads, in_place, zeros, adopt = [], [], [], [], []
         for slot, param in enumerate(bucket.params):
-            grad, view = param.grad, bucket.views[slot]
+            grad, view = present[slot], bucket.views[slot]
             if grad is None:
                 zeros.append(view)
             elif grad.is_sparse:
@@ -319,7 +323,7 @@ class Reducer:
                     f"nn.EmbeddingBag constructed with sparse=True is expected to have one (as "
                     f"in torch's DDP). Compute it through such a module, or make its gradient "
                     f"dense.")
-            elif self.as_view and _aliases(grad, view):
+            elif as_view and _aliases(grad, view):
                 in_place.append(view)
             else:
                 if grad.requires_grad:  # backward(create_graph=True)
@@ -327,7 +331,7 @@ class Reducer:
                     grad = grad.detach()
                 copied.append(view)
                 grads.append(grad)
-                if self.as_view:
+                if as_view:
                     adopt.append((param, view))
         if zeros:
             torch._foreach_zero_(zeros)
@@ -526,7 +530,16 @@ class Reducer:
         to .grad: one copy for the gradients that exist, one clone for those that
         do not (laid out like the parameter, as autograd would make them), and
         none where .grad is the bucket slot (gradient_as_bucket_view). A
-        parameter no rank used (`used(index)` false) keeps its .grad, as in torch."""
+        parameter no rank used (`used(index)` false) keeps its .grad, as in torch.
+        Under distributed autograd the context's gradients get the sums instead
+        (rpc_grads.py); one the context lacks is left out (it has no way in from Python)."""
+        if self.dist_context is not None:
+            pairs = [(grad, view) for slot, (grad, view) in
+                     enumerate(zip(gradients(bucket.params, self.dist_context), views))
+                     if grad is not None and (used is None or used(bucket.indices[slot]))]
+            if pairs:
+                torch._foreach_copy_(*map(list, zip(*pairs)))
+            return
         if used is None and not self.as_view:  # the usual step: one call per bucket
             grads = [param.grad for param in bucket.params]
             if all(g is None for g in grads):  # zero_grad() set them to None
