@@ -105,6 +105,7 @@ class Reducer:
         self.step_check = StepCheck(sum_step, rank, world_size)
         self.replicas = replicas  # replicas.ReplicaCheck, or None: check_replicas is off
         self.dist_context = None  # the armed backward's distributed autograd context (rpc_grads)
+        self._context_seen = False
         self._replica_future = None
         self.progress = progress  # health.PeerProgress: names the peer when a bucket fails
         self.timeline = timeline  # see timeline.py; None records nothing
@@ -161,6 +162,7 @@ class Reducer:
         self.phase = Phase.ARMED
         self.divisor = self.world_size if divisor is None else divisor
         self.dist_context = current_context()  # where this backward's gradients will be
+        self._context_seen = False  # the first full bucket tells a local backward apart
         self.forwards += 1
         if self.find_unused:
             reached = reached_parameters(outputs)
@@ -297,6 +299,11 @@ class Reducer:
         torch's: a copied gradient times 1/divisor, one already in the bucket
         (gradient_as_bucket_view) divided by it."""
         present = gradients(bucket.params, self.dist_context)
+        if self.dist_context is not None and not self._context_seen:
+            if all(g is None for g in present):  # loss.backward() inside a context: local
+                self.dist_context = None
+                present = gradients(bucket.params, None)
+            self._context_seen = True
         if bucket.sparse:
             return self._sparse_ready(bucket.indices[0], bucket, present[0])
         as_view = self.as_view and self.dist_context is None  # a context's grads stay its own

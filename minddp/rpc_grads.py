@@ -7,7 +7,9 @@ and writes gradients there when a context is current (its
 runGradCallbackForVariable); minddp does the same through get_gradients, whose
 tensors are the context's own, so in-place writes land in the context. The
 context is the one current on the thread that runs the wrapper's forward: its
-backward runs on RPC's threads, where Python cannot ask for it.
+backward runs on RPC's threads, where Python cannot ask for it. A plain
+loss.backward() of such a forward writes .grad, as in torch: the reducer tells
+it apart by the first full bucket, none of whose gradients is in the context.
 """
 import torch.distributed as dist
 

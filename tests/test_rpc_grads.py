@@ -39,6 +39,10 @@ def _local_vs_dist_autograd(rank, world_size, port, kind):
                 found = dist_autograd.get_gradients(context_id)
                 in_context = [found[p].to_dense().clone() for p in model.parameters()]
             results.append((local, in_context))
+            model.zero_grad()
+            with dist_autograd.context():  # a local backward inside a context: .grad
+                ddp(*inputs).sum().backward()
+            results.append((local, [p.grad.to_dense().clone() for p in model.parameters()]))
         return results
     finally:
         rpc.shutdown()
