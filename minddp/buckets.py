@@ -91,11 +91,10 @@ class Bucket:
         return [flat.as_strided(p.shape, gradient_strides(p), base + o)
                 for p, o in zip(self.params, self.offsets)]
 
-    def flat_slices(self, flat=None):
-        """Every parameter's slice of the buffer (or of `flat`, a 1-D tensor of its
-        size), row-major whatever its layout: what torch's GradBucket.gradients()
-        returns (and PowerSGD reshapes)."""
-        flat = self.buffer if flat is None else flat
+    def flat_slices(self, flat):
+        """Every parameter's slice of `flat` (the buffer, or a 1-D tensor of its size),
+        row-major whatever its layout: what torch's GradBucket.gradients() returns
+        (and PowerSGD reshapes)."""
         return [flat[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
 
     @property

@@ -33,7 +33,7 @@ class GradBucket:
         (torch's: they ignore a parameter's own strides); none for a sparse bucket."""
         if self._bucket.sparse:
             return []
-        return self._bucket.flat_slices(None if self._replaced is None else self._replaced.view(-1))
+        return self._bucket.flat_slices(self.buffer().view(-1))
 
     def parameters(self):
         return list(self._bucket.params)

@@ -309,11 +309,10 @@ class Reducer:
         as_view = self.as_view and self.dist_context is None  # a context's grads stay its own
         if not as_view and all(g is not None and not g.is_sparse and not g.requires_grad
                                for g in present):  # the usual step: one copy, one scale
-            grads = present
             if self.reduction.prescaled and self.divisor != 1:
-                bucket.copy_scaled(grads, 1.0 / self.divisor)
+                bucket.copy_scaled(present, 1.0 / self.divisor)
             else:
-                torch._foreach_copy_(bucket.views, grads)
+                torch._foreach_copy_(bucket.views, present)
             return
         copied, grads, in_place, zeros, adopt = [], [], [], [], []
         for slot, param in enumerate(bucket.params):
@@ -541,14 +540,16 @@ class Reducer:
         Under distributed autograd the context's gradients get the sums instead
         (rpc_grads.py); one the context lacks is left out (it has no way in from Python)."""
         if self.dist_context is not None:
-            pairs = [(grad, view) for slot, (grad, view) in
-                     enumerate(zip(gradients(bucket.params, self.dist_context), views))
-                     if grad is not None and (used is None or used(bucket.indices[slot]))]
-            if pairs:
-                torch._foreach_copy_(*map(list, zip(*pairs)))
+            grads, sums = [], []
+            for slot, grad in enumerate(gradients(bucket.params, self.dist_context)):
+                if grad is not None and (used is None or used(bucket.indices[slot])):
+                    grads.append(grad)
+                    sums.append(views[slot])
+            if grads:
+                torch._foreach_copy_(grads, sums)
             return
         if used is None and not self.as_view:  # the usual step: one call per bucket
-            grads = [param.grad for param in bucket.params]
+            grads = gradients(bucket.params, None)
             if all(g is None for g in grads):  # zero_grad() set them to None
                 for param, grad in zip(bucket.params, torch._foreach_clone(views)):
                     param.grad = grad
