@@ -50,8 +50,8 @@ def refuse_unimplemented(rank, **given):
                 f"torch.nn.parallel.DistributedDataParallel.")
 
 
-def check_arguments(named, rank, device_ids, bucket_cap_mb, bucket_cap_mb_list, algorithm,
-                     compression):
+def check_arguments(named, rank, device_ids, output_device, bucket_cap_mb, bucket_cap_mb_list,
+                    algorithm, compression):
     where = f"minddp (rank {rank})"
     if not named:
         raise RuntimeError(f"{where}: DistributedDataParallel is not needed when a module "
@@ -72,12 +72,16 @@ def check_arguments(named, rank, device_ids, bucket_cap_mb, bucket_cap_mb_list, 
     if device.type == "meta":
         raise ValueError(f"{where}: the module is on the meta device; materialise it "
                          f"(module.to_empty(device=...)) and initialise it first.")
-    if device_ids and (device.type == "cpu" or torch.device(device.type, device.index) !=
-                       torch.device(device.type, index(device_ids[0]))):
+    if device.type == "cpu" and (device_ids or output_device):  # torch's test and words
+        raise ValueError(f"DistributedDataParallel device_ids and output_device arguments only "
+                         f"work with single-device/multiple-device GPU modules or CPU modules, "
+                         f"but got device_ids {device_ids}, output_device {output_device}, and "
+                         f"module parameters {{{device!r}}}. ({where}: pass neither for a CPU "
+                         f"module.)")
+    if device_ids and torch.device(device.type, device.index) != torch.device(
+            device.type, index(device_ids[0])):
         raise ValueError(f"{where}: device_ids={device_ids!r} does not match the module's "
-                         f"device {device}; DistributedDataParallel device_ids only work with "
-                         f"single-device GPU modules: pass device_ids=None for CPU modules, or "
-                         f"[the single GPU the module is on].")
+                         f"device {device}; pass [the single GPU the module is on].")
     if bucket_cap_mb == "auto" and bucket_cap_mb_list:
         raise ValueError(f"{where}: bucket_cap_mb='auto' plans every bucket itself; pass "
                          f"either it or bucket_cap_mb_list, not both.")

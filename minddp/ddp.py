@@ -109,8 +109,8 @@ class DistributedDataParallel(TorchDDP):
                 f"would reduce every gradient twice. Wrap the bare model (its .module) once.")
         named = self._trainable(module)
         bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
-        arguments.check_arguments(named, rank, device_ids, bucket_cap_mb, bucket_cap_mb_list,
-                                  algorithm, compression)
+        arguments.check_arguments(named, rank, device_ids, output_device, bucket_cap_mb,
+                                  bucket_cap_mb_list, algorithm, compression)
         self.forward_sync_buffers, sync_buffers_at_init = arguments.buffer_sync(
             broadcast_buffers, forward_sync_buffers)
         self.module = module

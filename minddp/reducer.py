@@ -167,6 +167,8 @@ class Reducer:
         if self.find_unused:
             reached = reached_parameters(outputs)
             self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+            if not self._unused:
+                _warn_nothing_unused()
 
     def _rebuild_buckets(self):
         """torch's private call before a forward: raise if the previous backward did
@@ -743,6 +745,25 @@ class Reducer:
     def close(self):
         """Remove the gradient hooks (the wrapper's close() and garbage collection)."""
         self.readiness.remove()
+
+
+_warned_nothing_unused = False
+
+
+def _warn_nothing_unused():
+    """torch's hint, once a process as torch's TORCH_WARN_ONCE gives it: the search for
+    unused parameters found none."""
+    global _warned_nothing_unused
+    if not _warned_nothing_unused:
+        _warned_nothing_unused = True
+        warnings.warn(
+            "find_unused_parameters=True was specified in DDP constructor, but did not find "
+            "any unused parameters in the forward pass. This flag results in an extra "
+            "traversal of the autograd graph every iteration,  which can adversely affect "
+            "performance. If your model indeed never has any unused parameters in the forward "
+            "pass, consider turning this flag off. Note that this warning may be a false "
+            "positive if your model has flow control causing later iterations to have unused "
+            "parameters.", stacklevel=2)
 
 
 def _callbacks(reducer):

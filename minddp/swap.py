@@ -7,21 +7,20 @@
 
 Accelerate (and the HF Trainer through it) builds its wrapper as
 `torch.nn.parallel.DistributedDataParallel(model, ...)`, looked up when it is
-called, so rebinding that one name is enough. Others took the name at import
-(`from torch.nn.parallel import DistributedDataParallel`: Ray Train's
-prepare_model, and Ray imports it in its workers before the user's code runs):
-every module already imported that holds torch's class under any name is
-rebound too (a script's own alias of torch's class included: keep torch's
-class as `torch.nn.parallel.distributed.DistributedDataParallel` to build
-torch's DDP meanwhile), and put back on exit. torch's own modules keep its class: its
-internals (dynamo, the join hook) refer to it there. Every
+called; that name is rebound. Others hold torch's class under a name of their
+own, taken at import before or after the swap (Ray Train's prepare_model,
+imported in its workers before the user's code runs; Lightning, from
+`torch.nn.parallel.distributed`; torch's `replicate()`): while the swap is
+active, constructing torch's class itself builds minddp's wrapper, whatever
+name it is reached by (its `__new__` picks the class, and Python then runs that
+class's `__init__`). Unpickling, which calls `__new__` with no arguments, still
+makes torch's. A framework's own subclass of torch's DDP (its reducer is
+torch's, and its methods may need it) is built as it is, with a warning. Every
 minddp wrapper passes `isinstance(model, DistributedDataParallel)` against
-torch's class; while the name is rebound, the check through the name holds
-for the wrappers built through it (the class below), which is what the
-frameworks that build through it then test.
+torch's class, so the frameworks' checks take it.
 """
 import inspect
-import sys
+import warnings
 
 import torch.nn.parallel
 
@@ -33,6 +32,7 @@ class DistributedDataParallel(ddp.DistributedDataParallel):
     as defaults (a keyword passed at construction wins)."""
 
     keywords = {}
+    active = False  # a replace_torch_ddp() is in force (see _new)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **{**type(self).keywords, **kwargs})
@@ -58,37 +58,43 @@ class replace_torch_ddp:
             raise TypeError(f"minddp.replace_torch_ddp: unknown keyword(s) {unknown}; minddp's "
                             f"own are {list(MINDDP_KEYWORDS)} (torch's keywords go to the "
                             f"framework, which passes them on).")
-        self._rebound = _holders(ddp.TorchDDP)  # found first: nothing is half-rebound
         self._previous = (torch.nn.parallel.DistributedDataParallel,
-                          DistributedDataParallel.keywords)
+                          DistributedDataParallel.keywords, DistributedDataParallel.active)
         DistributedDataParallel.keywords = dict(keywords)
+        DistributedDataParallel.active = True
         torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
-        for module, name in self._rebound:
-            setattr(module, name, DistributedDataParallel)
+        # Installed once and left: CPython cannot give a class whose __new__ was
+        # deleted its constructor arguments back ("object.__new__() takes exactly one
+        # argument"); outside a swap it makes what it is asked for.
+        if ddp.TorchDDP.__dict__.get("__new__") is not _NEW:
+            ddp.TorchDDP.__new__ = _NEW
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        torch.nn.parallel.DistributedDataParallel, DistributedDataParallel.keywords = \
-            self._previous
-        for module, name in self._rebound:
-            if getattr(module, name, None) is DistributedDataParallel:
-                setattr(module, name, ddp.TorchDDP)
+        (torch.nn.parallel.DistributedDataParallel, DistributedDataParallel.keywords,
+         DistributedDataParallel.active) = self._previous
         return False
 
 
-def _holders(cls):
-    """(module, name) of every imported module outside torch and minddp that holds
-    `cls` as a global, whatever it is called there."""
-    found = []
-    for module_name, module in list(sys.modules.items()):
-        if module_name.split(".")[0] in ("torch", "minddp"):
-            continue
-        try:  # the plain __dict__: a lazily loaded module must not load (or fail) here
-            namespace = object.__getattribute__(module, "__dict__")
-            names = [name for name, value in list(namespace.items()) if value is cls]
-        except Exception:  # noqa: BLE001 - no plain namespace: nothing to rebind there
-            continue
-        found.extend((module, name) for name in names)
-    return found
+_warned = set()
+
+
+def _new(cls, *args, **kwargs):
+    """torch's DDP class's __new__ while the swap is active: a construction of torch's
+    class (it has arguments; unpickling has none) makes minddp's wrapper, with the
+    swap's keywords."""
+    constructed = DistributedDataParallel.active and bool(args or kwargs)
+    if cls is ddp.TorchDDP and constructed:
+        return object.__new__(DistributedDataParallel)
+    if constructed and not issubclass(cls, ddp.DistributedDataParallel) and cls not in _warned:
+        _warned.add(cls)
+        warnings.warn(f"minddp.replace_torch_ddp(): {cls.__module__}.{cls.__qualname__} "
+                      f"subclasses torch's DistributedDataParallel, so it is built as it is, "
+                      f"with torch's reducer, not minddp's. To use minddp's, derive the class "
+                      f"from minddp.DistributedDataParallel.", stacklevel=2)
+    return object.__new__(cls)
+
+
+_NEW = staticmethod(_new)

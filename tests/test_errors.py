@@ -43,12 +43,17 @@ def _construction_errors(rank, world_size):
         "algorithm": (nn.Linear(2, 2), {"algorithm": "fastest"}),
         "compression": (nn.Linear(2, 2), {"compression": "int4"}),
         "device_ids": (nn.Linear(2, 2), {"device_ids": [0]}),
+        "device_ids_cpu": (nn.Linear(2, 2), {"device_ids": [torch.device("cpu")]}),  # timm's
+        "output_device": (nn.Linear(2, 2), {"output_device": torch.device("cpu")}),
     }
-    return {k: _error_of(minddp.DDP, m, **kw) for k, (m, kw) in cases.items()}
+    errors = {k: _error_of(minddp.DDP, m, **kw) for k, (m, kw) in cases.items()}
+    torch_errors = {k: _error_of(TorchDDP, cases[k][0], **cases[k][1])
+                    for k in ("device_ids", "device_ids_cpu", "output_device")}
+    return errors, torch_errors
 
 
 def test_construction_errors():
-    errors = run_world(_construction_errors, 1)[0]
+    errors, torch_errors = run_world(_construction_errors, 1)[0]
     expect = {
         "no_params": ["RuntimeError", "rank 0", "doesn't have any parameter that requires"],
         "mixed": ["rank 0", "several devices", "move the whole module"],
@@ -56,11 +61,14 @@ def test_construction_errors():
         "cap": ["rank 0", "bucket_cap_mb must be a positive", "0"],
         "algorithm": ["rank 0", "unknown algorithm 'fastest'", "choose one of"],
         "compression": ["rank 0", "unknown compression 'int4'", "choose one of"],
-        "device_ids": ["rank 0", "device_ids=[0]", "device_ids=None for CPU"],
+        "device_ids": ["rank 0", "pass neither for a CPU module"],
     }
     for case, words in expect.items():
         for word in words:
             assert word in errors[case], f"{case}: {word!r} not in {errors[case]!r}"
+    for case, torch_error in torch_errors.items():  # torch's type and words, then minddp's
+        assert torch_error.startswith("ValueError: DistributedDataParallel device_ids"), torch_error
+        assert errors[case].startswith(torch_error), f"{case}: {errors[case]!r}"
 
 
 def _mismatch(rank, world_size, what):

@@ -182,19 +182,35 @@ def test_replace_torch_ddp_builds_minddp_and_restores_torch():
     assert after == "torch.nn.parallel.distributed"
 
 
-def test_replace_torch_ddp_reaches_names_imported_before_it():
-    # Ray Train's prepare_model: `from torch.nn.parallel import DistributedDataParallel`
-    # at import, in its workers, before the user's code can call replace_torch_ddp().
+def _built_through_other_names(rank, world_size):
+    import warnings
+    # Ray Train's prepare_model takes the name at import, in its workers, before the
+    # user's code can call replace_torch_ddp(); Lightning takes it after, from
+    # torch.nn.parallel.distributed, where it stays torch's class.
     framework = types.ModuleType("a_framework_imported_first")
     framework.DDP = TorchDDP
-    sys.modules[framework.__name__] = framework
-    try:
-        with minddp.replace_torch_ddp():
-            assert framework.DDP is minddp.swap.DistributedDataParallel
-            assert nn.parallel.distributed.DistributedDataParallel is not framework.DDP
-        assert framework.DDP is nn.parallel.distributed.DistributedDataParallel
-    finally:
-        del sys.modules[framework.__name__]
+
+    class Foreign(TorchDDP):  # a framework's own subclass: its reducer is torch's
+        pass
+
+    with minddp.replace_torch_ddp(algorithm="ring"):
+        from torch.nn.parallel.distributed import DistributedDataParallel as late
+        first, second = framework.DDP(nn.Linear(3, 3)), late(nn.Linear(3, 3))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            foreign = Foreign(nn.Linear(3, 3))
+        unpickled = TorchDDP.__new__(TorchDDP)  # as pickle and deepcopy make one
+    after = framework.DDP(nn.Linear(3, 3))
+    kinds = [type(m).__module__ for m in (first, second, foreign, unpickled, after)]
+    return kinds, first.algorithm, second.algorithm, [str(w.message) for w in caught]
+
+
+def test_replace_torch_ddp_reaches_every_name_of_torchs_class():
+    kinds, first, second, warned = run_world(_built_through_other_names, 1)[0]
+    assert kinds[:2] == ["minddp.swap"] * 2 and first == second == "ring", kinds
+    assert kinds[2] == "test_torch_surface" and len(warned) == 1, (kinds, warned)
+    assert "Foreign subclasses torch's DistributedDataParallel" in warned[0], warned
+    assert kinds[3:] == ["torch.nn.parallel.distributed"] * 2, kinds
 
 
 class _LoadsOnAnyAttribute(types.ModuleType):
@@ -355,3 +371,34 @@ def _sync_batchnorm_on_cpu(rank, world_size):
 def test_sync_batchnorm_on_cpu_refused_at_construction_as_torch():
     for errors in run_world(_sync_batchnorm_on_cpu, 2):
         assert len(errors) == 2 and errors[1].startswith(errors[0]), errors
+
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x, both):
+        return self.a(x) + self.b(x) if both else self.a(x)
+
+
+def _unused_search_warnings(rank, world_size):
+    import warnings
+
+    from minddp import reducer
+    reducer._warned_nothing_unused = False  # once a process, and this one may have run others
+    ddp = minddp.DDP(_TwoHeads(), find_unused_parameters=True, algorithm="native")
+    counts = []
+    for both in (False, True, True):  # b unused; then nothing unused, twice
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp(torch.ones(2, 3), both).sum().backward()
+        counts.append(sum("did not find any unused parameters in the forward pass" in
+                          str(w.message) for w in caught))
+    return counts
+
+
+def test_find_unused_parameters_with_nothing_unused_warns_once_as_torch():
+    # torch's reducer.cpp gives this hint once a process (TORCH_WARN_ONCE), on stderr
+    assert run_world(_unused_search_warnings, 1) == [[0, 1, 0]]
