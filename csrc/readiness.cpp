@@ -112,6 +112,12 @@ class Readiness {
               on_hook(state, static_cast<int64_t>(i), !inputs.empty() && inputs[0].defined());
             }
             return outputs;
+          },
+          // torch's reducer hooks refuse compiled autograd with these words; so do these.
+          [](torch::autograd::CompiledNodeArgs&) {
+            TORCH_CHECK(false,
+                        "Compiled autograd is not compatible with C++ DDP Reducer, please use "
+                        "torch._dynamo.config.optimize_ddp=\"python_reducer\".");
           }));
       hooks_.emplace_back(std::move(accumulator), key);
     }

@@ -134,8 +134,10 @@ class DistributedDataParallel(TorchDDP):
         self.require_forward_param_sync = True
         # "auto": buckets planned from the first iterations (overlap.py).
         self._plan_buckets = bucket_cap_mb == "auto"
-        self.bucket_bytes_cap = int((overlap.PROBE_CAPS_MB[-1] if self._plan_buckets
-                                     else bucket_cap_mb) * 1024 * 1024)
+        # torch's: the largest of a bucket_cap_mb_list (DDPOptimizer cuts graphs by it)
+        cap_mb = (overlap.PROBE_CAPS_MB[-1] if self._plan_buckets else
+                  max(bucket_cap_mb_list) if bucket_cap_mb_list else bucket_cap_mb)
+        self.bucket_bytes_cap = int(cap_mb * 1024 * 1024)
         self.bucket_bytes_cap_list = [int(c * 1024 * 1024) for c in bucket_cap_mb_list or []]
         self._join = None  # the active join() context, if any
         self._generic_join = None  # what a torch Join([self, ...]) drives (join_hook)

@@ -402,3 +402,19 @@ def _unused_search_warnings(rank, world_size):
 def test_find_unused_parameters_with_nothing_unused_warns_once_as_torch():
     # torch's reducer.cpp gives this hint once a process (TORCH_WARN_ONCE), on stderr
     assert run_world(_unused_search_warnings, 1) == [[0, 1, 0]]
+
+
+def _bucket_caps(rank, world_size):
+    caps = []
+    for kwargs in ({}, {"bucket_cap_mb": 5}, {"bucket_cap_mb_list": [1, 3, 2]}):
+        theirs = TorchDDP(nn.Linear(3, 3), **kwargs)
+        ours = minddp.DDP(nn.Linear(3, 3), algorithm="native", **kwargs)
+        caps.append((theirs.bucket_bytes_cap, ours.bucket_bytes_cap))
+    return caps
+
+
+def test_bucket_bytes_cap_as_torch():
+    # dynamo's DDPOptimizer cuts a compiled module's graph where this cap ends a bucket
+    caps = run_world(_bucket_caps, 1)[0]
+    assert caps[2][0] == 3 * 1024 * 1024, caps  # torch: the largest of the list
+    assert all(theirs == ours for theirs, ours in caps), caps
