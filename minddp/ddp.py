@@ -32,6 +32,7 @@ from minddp.logging_data import DDPLogger
 from minddp import overlap
 from minddp.devices import group_device
 from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_model
+from minddp import python_reducer
 from minddp.reducer import Phase, Reducer
 from minddp.reduction import HookReduction, bucket_storage
 from minddp.replicas import DEFAULT_INTERVAL, ReplicaCheck, interval_of, keeps_replicas_apart
@@ -63,7 +64,9 @@ class DistributedDataParallel(TorchDDP):
     "bf16"), as int8 with error feedback ("int8"), as rank-r factors with
     error feedback ("powersgd", or minddp.PowerSGD(rank=..., warmup_steps=...)
     to choose), or as fp16 or int8 per bucket where that pays ("auto"), `timeout`
-    bounds every wait for a peer (default: the process group's), `timeline`
+    bounds every wait for a peer in minddp's own communication (default: the
+    process group's; the buffer broadcast and a comm hook's collectives run on
+    the wrapped group and wait its timeout, as in torch's DDP), `timeline`
     is a path prefix for a Chrome trace of this rank's buckets (default:
     $MINDDP_TIMELINE), `check_replicas` compares the ranks' weights bit for bit
     every so many synced steps and raises on every rank if they differ (0 or
@@ -96,6 +99,10 @@ class DistributedDataParallel(TorchDDP):
         arguments.refuse_unimplemented(
             rank, delay_all_reduce_named_params=delay_all_reduce_named_params,
             param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision)
+        # optimize_ddp="python_reducer": the compiler reduces (python_reducer.py)
+        self._use_python_reducer = python_reducer.active()
+        if self._use_python_reducer:
+            python_reducer.configure(bucket_cap_mb, bucket_cap_mb_list)
         # skip_all_reduce_unused_params and batched_grad_copy only make torch's
         # DDP faster; minddp accepts them and gives the same gradients without.
         if check_reduction:
@@ -150,7 +157,14 @@ class DistributedDataParallel(TorchDDP):
                     "find_unused_parameters": find_unused_parameters,
                     "gradient_as_bucket_view": gradient_as_bucket_view,
                     "static_graph": static_graph, "forward_sync_buffers": self.forward_sync_buffers,
-                    "check_replicas": self.check_replicas}
+                    "check_replicas": self.check_replicas, "bucket_cap_mb_list": bucket_cap_mb_list,
+                    "sync_buffers_at_init": sync_buffers_at_init,
+                    # broadcast at construction and before forwards; frozen parameters are
+                    # broadcast at construction and compared by the replica check
+                    "buffers": _shapes(module.named_buffers(), self.parameters_to_ignore),
+                    "frozen parameters": _shapes(((n, p) for n, p in module.named_parameters()
+                                                  if not p.requires_grad),
+                                                 self.parameters_to_ignore)}
         self._ranks = "-".join(map(str, dist.get_process_group_ranks(self.process_group)))
         self._take_name()
         with _current(self.device):
@@ -219,6 +233,11 @@ class DistributedDataParallel(TorchDDP):
             replicas=self._replica_check(rank))
         self.logger = DDPLogger(self)  # what DDP logs about itself (logging_data.py)
         self.reducer.logger = self.logger
+        if self.__dict__.get("_use_python_reducer"):  # as torch: its reducer is never armed
+            self.reducer.close()
+            self._accum_grad_hooks = python_reducer.register(self)
+            # dynamo traces the module's forward whole: nothing of the wrapper's runs
+            self.__dict__["forward"] = self.module.__call__
 
     def _replica_check(self, rank):
         """Every check_replicas synced steps, compare the ranks' weights (replicas.py)."""
@@ -304,6 +323,13 @@ class DistributedDataParallel(TorchDDP):
             self.reducer.check_finished()
             _refuse_outer_wrapper(self)
         synced = grad_enabled and self.require_backward_grad_sync
+        if synced and self.reducer.closed:  # torch's DDP would train on apart, silently
+            self._log_and_throw(RuntimeError, (
+                f"minddp (rank {self.reducer.rank}): this wrapper's gradient hooks were removed "
+                f"(close(), the end of its `with` block, or _remove_autograd_hooks()), so its "
+                f"backward would not synchronise gradients and the ranks would part. Wrap the "
+                f"module again (minddp.DDP(ddp.module, ...)), or run this forward under "
+                f"no_sync() or torch.no_grad()."))
         if synced:
             self.logger.forward_start()
         sync_buffers = (self.require_forward_param_sync and self.forward_sync_buffers and
@@ -378,6 +404,12 @@ class DistributedDataParallel(TorchDDP):
         if isinstance(self.reducer.reduction, HookReduction):
             self._log_and_throw(RuntimeError, "register_comm_hook or register_builtin_comm_hook "
                                 "can only be called once.")
+        if self.__dict__.get("_use_python_reducer"):  # torch's fails at backward, in the hook
+            self._log_and_throw(NotImplementedError, (
+                f"minddp (rank {self.reducer.rank}): comm hooks do not run under "
+                f"torch._dynamo.config.optimize_ddp='python_reducer' (torch's DDP calls them "
+                f"with (grad, param), which hooks written for buckets cannot take); leave the "
+                f"hook out, or choose another optimize_ddp before building the wrapper."))
         self.reducer.set_reduction(HookReduction(state, hook))
         self.logger._set_comm_hook_name(getattr(hook, "__qualname__", type(hook).__qualname__))
         if self.reducer.replicas is not None and keeps_replicas_apart(state, hook):
@@ -455,6 +487,8 @@ class DistributedDataParallel(TorchDDP):
         reducer = self.__dict__.get("reducer")
         if reducer is not None:
             reducer.close()
+        for handle in self.__dict__.get("_accum_grad_hooks", ()):
+            handle.remove()
 
     _remove_autograd_hooks = close  # torch's name
 
@@ -478,7 +512,7 @@ class DistributedDataParallel(TorchDDP):
                                "to DDP constructor")
         state = dict(self.__dict__)
         for key in ("process_group", "reducer", "engine", "_join", "_generic_join", "timeline",
-                    "logger"):
+                    "logger", "_accum_grad_hooks", "forward"):
             state.pop(key, None)
         state["_static_graph"] = state.pop("static_graph")
         return state
@@ -581,6 +615,11 @@ def _compiled_in_buckets(wrapper):
         yield
     finally:
         TorchDDP._active_ddp_module = active
+
+
+def _shapes(named, ignored):
+    """'name [shape] dtype' of each tensor not ignored: what ranks must agree on."""
+    return [f"{n} {list(t.shape)} {t.dtype}" for n, t in named if n not in ignored]
 
 
 def _refuse_outer_wrapper(ddp):

@@ -51,10 +51,18 @@ def check_same_model(named_params, settings, group):
         if desc["settings"] != ref["settings"]:
             diff = [key for key in ref["settings"]
                     if ref["settings"][key] != desc["settings"].get(key)]
-            shown = ", ".join(f"{k}={ref['settings'][k]!r} on rank 0 but "
-                              f"{desc['settings'].get(k)!r} on rank {other}" for k in diff)
+            shown = ", ".join(_setting_difference(k, ref["settings"][k],
+                                                  desc["settings"].get(k), other) for k in diff)
             raise ModelMismatch(f"minddp (rank {me}): ranks disagree on the wrapper's settings: "
                              f"{shown}. Pass the same arguments on every rank.")
+
+
+def _setting_difference(key, first, theirs, other):
+    if isinstance(first, list) and isinstance(theirs, list) and key != "bucket_cap_mb_list":
+        k, a, b = _first_difference(first, theirs)  # as long as the model's: its first difference
+        return (f"{key}: rank 0 has {len(first)}, rank {other} has {len(theirs)}; the first "
+                f"difference is #{k}: {a or 'none'} on rank 0, {b or 'none'} on rank {other}")
+    return f"{key}={first!r} on rank 0 but {theirs!r} on rank {other}"
 
 
 def broadcast_from_first(tensors, group, cap_bytes=64 * 1024 * 1024, src=0):

@@ -754,9 +754,12 @@ class Reducer:
         """Per parameter: whether it expects a sparse gradient (a bucket of its own)."""
         return [self._where[index][0].sparse for index in range(len(self.params))]
 
+    closed = False  # the hooks are gone: a synced forward would reduce nothing
+
     def close(self):
         """Remove the gradient hooks (the wrapper's close() and garbage collection)."""
         self.readiness.remove()
+        self.closed = True
 
 
 _warned_nothing_unused = False

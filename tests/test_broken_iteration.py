@@ -128,6 +128,11 @@ def _rewrap(rank, world_size, how):
     else:
         del first
         gc.collect()
+    if how != "garbage":  # a synced forward of the closed wrapper would reduce nothing
+        with pytest.raises(RuntimeError, match=f"rank {rank}.*hooks were removed"):
+            first(*batch("deep", rank, 9))
+        with torch.no_grad():
+            first(*batch("deep", rank, 9))
     second = minddp.DDP(model, bucket_cap_mb=0.004, algorithm="tree")
     for step in range(2, 4):
         for ddp in (reference, second):

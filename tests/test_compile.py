@@ -246,3 +246,45 @@ def test_compiled_autograd_is_refused_in_torchs_words():
     theirs, ours = run_world(_compiled_autograd, 1)[0]
     assert "optimize_ddp=\"python_reducer\"" in theirs, theirs
     assert ours == theirs
+
+
+def _python_reducer(rank, world_size):
+    from torch._dynamo import compiled_autograd
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    seen = {}
+    for wrap in (minddp.DDP, TorchDDP):  # torch's inlines its own module for the process after
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        ddp = wrap(Net())
+        compiled = torch.compile(ddp, backend="aot_eager", fullgraph=True)
+        grads = []
+        for step in range(3):
+            ddp.zero_grad()
+            if step < 2:  # compiled autograd, as the mode is meant for; then eager
+                with compiled_autograd._enable(torch.compile(backend="aot_eager",
+                                                             fullgraph=True)):
+                    compiled(_batch(rank, step, 4, 6)).square().sum().backward()
+            else:
+                ddp(_batch(rank, step, 4, 6)).square().sum().backward()
+            grads += [p.grad.clone() for p in ddp.parameters()]
+        try:
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+            hook = "accepted"
+        except NotImplementedError as e:
+            hook = str(e)
+        seen[wrap.__module__] = grads, hook
+    try:
+        minddp.DDP(Net(), bucket_cap_mb_list=[1, 2])
+    except AssertionError as e:  # torch's type and words
+        seen["list"] = str(e)
+    return seen
+
+
+def test_python_reducer_mode_reduces_as_torchs():
+    """optimize_ddp="python_reducer": each gradient all-reduced by a functional
+    collective the compiled backward holds, as torch's DDP does in this mode."""
+    for rank, seen in enumerate(run_world(_python_reducer, 2, timeout=300)):
+        (ours, our_hook), (theirs, _) = seen["minddp.ddp"], seen["torch.nn.parallel.distributed"]
+        _assert_same(ours, theirs, f"rank {rank}: gradient")
+        assert "optimize_ddp='python_reducer'" in our_hook, our_hook  # torch's fails later
+        assert seen["list"] == "when using bucket_cap_mb_list, python reducer is not supported"

@@ -76,6 +76,10 @@ def _mismatch(rank, world_size, what):
     model = nn.Sequential(nn.Linear(4, width), nn.Linear(width, 2))
     if what == "count" and rank == 1:
         model.append(nn.Linear(2, 2))
+    if what == "buffers" and rank == 1:
+        model.register_buffer("extra", torch.zeros(3))
+    if what == "frozen" and rank == 1:
+        model.append(nn.Linear(2, 2).requires_grad_(False))
     cap = 5 if (what == "settings" and rank == 1) else 25
     return _error_of(minddp.DDP, model, bucket_cap_mb=cap)
 
@@ -84,6 +88,9 @@ def _mismatch(rank, world_size, what):
     ("shape", ["ranks 0 and 2", "'0.weight' of shape [4, 4]", "'0.weight' of shape [6, 4]"]),
     ("count", ["ranks 0 and 1", "4 trainable parameters", "rank 1 has 6", "'2.weight'"]),
     ("settings", ["bucket_cap_mb=25 on rank 0 but 5 on rank 1", "same arguments"]),
+    # broadcast from rank 0 at construction: on other shapes a rank would abort in gloo
+    ("buffers", ["buffers: rank 0 has 0, rank 1 has 1", "extra [3] torch.float32"]),
+    ("frozen", ["frozen parameters: rank 0 has 0, rank 1 has 2", "2.weight [2, 2]"]),
 ])
 def test_model_mismatch_raises_on_every_rank(what, words):
     errors = run_world(_mismatch, 3, what)
