@@ -161,6 +161,26 @@ class Reducer:
             self._abandon()
         if self.phase is Phase.BROKEN:
             raise RuntimeError(self._logged(self._broken))
+        if self.phase is Phase.ARMED:  # the last synced forward saw no gradient: why?
+            self._check_hooks_reachable()
+
+    def _check_hooks_reachable(self):
+        """A parameter whose dtype or device changed after wrapping (model.double(),
+        .half(), .to(...)) has a new gradient accumulator: the hooks sit on the old one,
+        backward never reaches them and each rank would train alone, silently (as with
+        torch's DDP). O(parameters), so only where a synced forward had no backward."""
+        for index, param in enumerate(self.params):
+            bucket = self._where[index][0]
+            if not bucket.sparse and (param.dtype, param.device) != (bucket.buffer.dtype,
+                                                                     bucket.buffer.device):
+                self._break(
+                    f"minddp (rank {self.rank}): parameter '{self.names[index]}' is "
+                    f"{param.dtype} on {param.device} but was {bucket.buffer.dtype} on "
+                    f"{bucket.buffer.device} when the wrapper was built (model.double(), "
+                    f".half() or .to() after wrapping?): its gradient hooks no longer fire, so "
+                    f"the last backward was not synchronised. Convert the module first, then "
+                    f"wrap it (again).")
+                raise RuntimeError(self._logged(self._broken))
 
     def prepare_for_backward(self, outputs, divisor=None):
         """Arm the reducer for the backward of `outputs` (every synced forward);

@@ -145,3 +145,20 @@ def _rewrap(rank, world_size, how):
 @pytest.mark.parametrize("how", ["close", "context", "garbage"])
 def test_rewrapping_a_model_trains_exactly(how):
     assert run_world(_rewrap, 2, how) == [True, True]
+
+
+def _converted_after_wrapping(rank, world_size):
+    ddp = minddp.DDP(DeepNet(), algorithm="native")
+    ddp(*batch("deep", rank, 0)).square().mean().backward()
+    ddp.double()  # new gradient accumulators: the hooks are left on the old ones
+    x = batch("deep", rank, 1)[0].double()
+    ddp(x).square().mean().backward()  # local only, as torch's DDP would do silently
+    with pytest.raises(RuntimeError, match=f"rank {rank}.*torch.float64.*was torch.float32"):
+        ddp(x)
+    with pytest.raises(RuntimeError, match="after wrapping"):  # and every forward after
+        ddp(x)
+    return True
+
+
+def test_dtype_changed_after_wrapping_is_caught_at_the_next_forward():
+    assert run_world(_converted_after_wrapping, 2) == [True, True]
