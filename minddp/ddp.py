@@ -172,8 +172,6 @@ class DistributedDataParallel(TorchDDP):
             if self.world_size > 1:  # one clock for diagnose.py, where any rank records
                 align_clocks(self.timeline, self.engine.check_group)
             self._build_reducer(named, static_graph)
-            self.reducer.reduction.setup(self.reducer.buckets,
-                                         provisional=self.reducer.planner is not None)
         if static_graph:
             self._set_static_graph()
 
@@ -238,6 +236,14 @@ class DistributedDataParallel(TorchDDP):
             self._accum_grad_hooks = python_reducer.register(self)
             # dynamo traces the module's forward whole: nothing of the wrapper's runs
             self.__dict__["forward"] = self.module.__call__
+            return
+        try:  # algorithm="auto" times its candidates here, with every peer
+            reduction.setup(self.reducer.buckets, provisional=planned)
+        except Exception as e:
+            raise RuntimeError(
+                f"minddp (rank {rank}): setting up {self.algorithm!r} with the other ranks "
+                f"failed while building the wrapper: a peer died or stalled. Cause: "
+                f"{first_line(e)}") from e
 
     def _replica_check(self, rank):
         """Every check_replicas synced steps, compare the ranks' weights (replicas.py)."""
@@ -527,8 +533,6 @@ class DistributedDataParallel(TorchDDP):
         with _current(self.device):
             self.engine = comm.engine_for(self.process_group, self._timeout, self.device)
             self._build_reducer(self._trainable(self.module), static_graph)
-            self.reducer.reduction.setup(self.reducer.buckets,
-                                         provisional=self.reducer.planner is not None)
         if static_graph:
             self._set_static_graph()
 

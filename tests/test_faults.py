@@ -41,6 +41,9 @@ def _fault(rank, world_size, when, victim, meeting, algorithm):
     torch.distributed.barrier()  # every rank is past the harness's own set-up
     if doomed and when == "construction":
         _die()
+    if doomed and when == "setup":  # dies as auto times its candidates with the others
+        from minddp import reduction
+        reduction.setup_collective = lambda *args, **kwargs: _die()
     t0 = time.monotonic()
     try:
         ddp = minddp.DDP(DeepNet(), bucket_cap_mb=0.002, timeout=TIMEOUT, algorithm=algorithm)
@@ -64,7 +67,8 @@ def _fault(rank, world_size, when, victim, meeting, algorithm):
 
 
 @pytest.mark.parametrize("when, victim, algorithm", [
-    ("construction", 2, "auto"), ("before_backward", 2, "auto"), ("mid_backward", 1, "auto"),
+    ("construction", 2, "auto"), ("setup", 2, "auto"), ("before_backward", 2, "auto"),
+    ("mid_backward", 1, "auto"),
     ("stuck", 2, "auto"), ("before_backward", 0, "auto"),
     *[("before_backward", 2, name) for name in registry.algorithm_names()
       if registry.algorithm(name).bind is None]])
@@ -80,6 +84,9 @@ def test_survivors_raise_naming_the_peer(when, victim, algorithm, tmp_path):
         assert f"minddp (rank {rank})" in error, error
         if when == "construction":
             assert "start-up agreement" in error, error
+            continue
+        if when == "setup":
+            assert "setting up 'auto' with the other ranks failed" in error, error
             continue
         # The first reduction of the iteration to fail is named: a bucket (with
         # the algorithm), or the step check that precedes them (reducer.py).
