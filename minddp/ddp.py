@@ -159,9 +159,11 @@ class DistributedDataParallel(TorchDDP):
                     "static_graph": static_graph, "forward_sync_buffers": self.forward_sync_buffers,
                     "check_replicas": self.check_replicas, "bucket_cap_mb_list": bucket_cap_mb_list,
                     "sync_buffers_at_init": sync_buffers_at_init,
-                    # broadcast at construction and before forwards; frozen parameters are
-                    # broadcast at construction and compared by the replica check
-                    "buffers": _shapes(module.named_buffers(), self.parameters_to_ignore),
+                    # broadcast at construction or before forwards, where they are synced (else
+                    # they may differ, as in torch); frozen parameters are broadcast at
+                    # construction and compared by the replica check
+                    "buffers": (_shapes(module.named_buffers(), self.parameters_to_ignore)
+                                if sync_buffers_at_init or self.forward_sync_buffers else None),
                     "frozen parameters": _shapes(((n, p) for n, p in module.named_parameters()
                                                   if not p.requires_grad),
                                                  self.parameters_to_ignore)}

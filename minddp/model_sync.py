@@ -58,7 +58,8 @@ def check_same_model(named_params, settings, group):
 
 
 def _setting_difference(key, first, theirs, other):
-    if isinstance(first, list) and isinstance(theirs, list) and key != "bucket_cap_mb_list":
+    if key != "bucket_cap_mb_list" and (isinstance(first, list) or isinstance(theirs, list)):
+        first, theirs = first or [], theirs or []  # None: not compared on that rank
         k, a, b = _first_difference(first, theirs)  # as long as the model's: its first difference
         return (f"{key}: rank 0 has {len(first)}, rank {other} has {len(theirs)}; the first "
                 f"difference is #{k}: {a or 'none'} on rank 0, {b or 'none'} on rank {other}")

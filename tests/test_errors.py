@@ -214,3 +214,15 @@ def _misuse(rank, world_size, case):
                                   "backward_after_no_sync", "hook_registered_after_backward"])
 def test_misuse_behaves_as_in_torch(case):
     assert run_world(_misuse, 2, case) == [True, True]
+
+
+def _rank_local_buffers(rank, world_size):
+    model = nn.Linear(2, 2)
+    model.register_buffer("seen", torch.zeros(rank + 1))  # its own size on each rank
+    ddp = minddp.DDP(model, broadcast_buffers=False, algorithm="native")  # never synced
+    ddp(torch.ones(1, 2)).sum().backward()
+    return ddp.module.seen.numel()
+
+
+def test_unsynced_buffers_may_differ_between_ranks_as_in_torch():
+    assert run_world(_rank_local_buffers, 2) == [1, 2]
