@@ -216,7 +216,9 @@ class DistributedDataParallel(TorchDDP):
                                           self.world_size)
         buckets = bucketing.build([p for _, p in named], limits, stamp=self.world_size > 1,
                                   sparse=bucketing.expect_sparse_gradient(self.module, named),
-                                  zeros=bucket_storage(reduction, self.gradient_as_bucket_view))
+                                  # no shared-memory files where nothing will sum in them
+                                  zeros=None if self.__dict__.get("_use_python_reducer") else
+                                  bucket_storage(reduction, self.gradient_as_bucket_view))
         device = self.engine.device
         count_used = functools.partial(_sum_on_engine, self.engine, device, "used-map")
         sum_step = functools.partial(_sum_async, self.engine.check_group,
@@ -244,8 +246,8 @@ class DistributedDataParallel(TorchDDP):
         except Exception as e:
             raise RuntimeError(
                 f"minddp (rank {rank}): setting up {self.algorithm!r} with the other ranks "
-                f"failed while building the wrapper: a peer died or stalled. Cause: "
-                f"{first_line(e)}") from e
+                f"failed while building the wrapper (a peer that died or stalled, or the cause "
+                f"here). Cause: {first_line(e)}") from e
 
     def _replica_check(self, rank):
         """Every check_replicas synced steps, compare the ranks' weights (replicas.py)."""
@@ -326,6 +328,8 @@ class DistributedDataParallel(TorchDDP):
     # calls is still compiled) and the wrapper's bookkeeping runs eagerly.
     @torch._disable_dynamo
     def _pre_forward(self, *inputs, **kwargs):
+        if self.__dict__.get("_use_python_reducer"):  # as torch's; replicate() calls this
+            return inputs, kwargs
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self.reducer.check_finished()
@@ -363,6 +367,8 @@ class DistributedDataParallel(TorchDDP):
 
     @torch._disable_dynamo
     def _post_forward(self, outputs):
+        if self.__dict__.get("_use_python_reducer"):
+            return outputs
         if not (torch.is_grad_enabled() and self.require_backward_grad_sync):
             self.require_forward_param_sync = False
             return outputs
@@ -520,8 +526,10 @@ class DistributedDataParallel(TorchDDP):
                                "to DDP constructor")
         state = dict(self.__dict__)
         for key in ("process_group", "reducer", "engine", "_join", "_generic_join", "timeline",
-                    "logger", "_accum_grad_hooks", "forward"):
+                    "logger", "_accum_grad_hooks"):
             state.pop(key, None)
+        if self.__dict__.get("_use_python_reducer"):
+            state.pop("forward", None)  # the module's, set again on load
         state["_static_graph"] = state.pop("static_graph")
         return state
 

@@ -31,7 +31,8 @@ def configure(bucket_cap_mb, bucket_cap_mb_list):
         raise AssertionError("when using bucket_cap_mb_list, python reducer is not supported")
     import torch._inductor.config as inductor
     inductor._fuse_ddp_communication = True
-    inductor._fuse_ddp_bucket_size = bucket_cap_mb
+    if bucket_cap_mb != "auto":  # minddp's own plan means nothing to inductor: its default
+        inductor._fuse_ddp_bucket_size = bucket_cap_mb
 
 
 def register(ddp):

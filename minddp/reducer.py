@@ -75,7 +75,8 @@ def _outside_dynamo(fn):
     callbacks). A backward run inside a torch.compile'd function would otherwise
     have dynamo compile the reducer itself, guarding on its counters (a recompile
     every step); torch's reducer is C++, which dynamo never sees. About 1.3 us a
-    call: once per bucket and per backward on the extension's path."""
+    call: once per bucket and per backward on the extension's path, once per
+    gradient on the pure-Python one."""
     return torch._disable_dynamo(fn)
 
 

@@ -17,7 +17,9 @@ class's `__init__`). Unpickling, which calls `__new__` with no arguments, still
 makes torch's. A framework's own subclass of torch's DDP (its reducer is
 torch's, and its methods may need it) is built as it is, with a warning. Every
 minddp wrapper passes `isinstance(model, DistributedDataParallel)` against
-torch's class, so the frameworks' checks take it.
+torch's class, so the frameworks' checks take it; a check made through the
+rebound name while the swap is in force takes the wrappers built through the
+swap (a `minddp.DDP` built directly is not an instance of the swap's class).
 """
 import inspect
 import warnings

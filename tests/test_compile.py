@@ -12,6 +12,7 @@ world, and the aot_eager backend (AOT autograd compiles the backward into one
 autograd node per graph, as inductor does, without generating C++), except for
 one test on the default backend, inductor.
 """
+import contextlib
 import copy
 
 import pytest
@@ -277,6 +278,15 @@ def _python_reducer(rank, world_size):
         minddp.DDP(Net(), bucket_cap_mb_list=[1, 2])
     except AssertionError as e:  # torch's type and words
         seen["list"] = str(e)
+    # torch's replicate() builds DDP and calls its _pre_forward and _post_forward itself
+    from torch.distributed._composable.replicate import replicate
+    for swapped in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        with minddp.replace_torch_ddp(algorithm="native") if swapped else contextlib.nullcontext():
+            replicate(model)
+            model(_batch(rank, 0, 4, 6)).sum().backward()
+        seen[f"replicate, swapped {swapped}"] = [p.grad.clone() for p in model.parameters()]
     return seen
 
 
@@ -288,3 +298,5 @@ def test_python_reducer_mode_reduces_as_torchs():
         _assert_same(ours, theirs, f"rank {rank}: gradient")
         assert "optimize_ddp='python_reducer'" in our_hook, our_hook  # torch's fails later
         assert seen["list"] == "when using bucket_cap_mb_list, python reducer is not supported"
+        _assert_same(seen["replicate, swapped True"], seen["replicate, swapped False"],
+                     f"rank {rank}: replicate() gradient")
