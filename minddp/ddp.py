@@ -31,7 +31,7 @@ from minddp.join import Join, JoinHook
 from minddp.logging_data import DDPLogger
 from minddp import overlap
 from minddp.devices import group_device
-from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_model
+from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_model, shapes
 from minddp import python_reducer
 from minddp.reducer import Phase, Reducer
 from minddp.reduction import HookReduction, bucket_storage
@@ -72,6 +72,8 @@ class DistributedDataParallel(TorchDDP):
     every so many synced steps and raises on every rank if they differ (0 or
     None: never; replicas.py).
     """
+
+    _use_python_reducer = False  # optimize_ddp="python_reducer" (also: older pickles)
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0,
                  broadcast_buffers=None, init_sync=True, process_group=None, bucket_cap_mb=None,
@@ -162,11 +164,11 @@ class DistributedDataParallel(TorchDDP):
                     # broadcast at construction or before forwards, where they are synced (else
                     # they may differ, as in torch); frozen parameters are broadcast at
                     # construction and compared by the replica check
-                    "buffers": (_shapes(module.named_buffers(), self.parameters_to_ignore)
+                    "buffers": (shapes(module.named_buffers(), self.parameters_to_ignore)
                                 if sync_buffers_at_init or self.forward_sync_buffers else None),
-                    "frozen parameters": _shapes(((n, p) for n, p in module.named_parameters()
-                                                  if not p.requires_grad),
-                                                 self.parameters_to_ignore)}
+                    "frozen parameters": shapes(((n, p) for n, p in module.named_parameters()
+                                                 if not p.requires_grad),
+                                                self.parameters_to_ignore)}
         self._ranks = "-".join(map(str, dist.get_process_group_ranks(self.process_group)))
         self._take_name()
         with _current(self.device):
@@ -217,7 +219,7 @@ class DistributedDataParallel(TorchDDP):
         buckets = bucketing.build([p for _, p in named], limits, stamp=self.world_size > 1,
                                   sparse=bucketing.expect_sparse_gradient(self.module, named),
                                   # no shared-memory files where nothing will sum in them
-                                  zeros=None if self.__dict__.get("_use_python_reducer") else
+                                  zeros=None if self._use_python_reducer else
                                   bucket_storage(reduction, self.gradient_as_bucket_view))
         device = self.engine.device
         count_used = functools.partial(_sum_on_engine, self.engine, device, "used-map")
@@ -235,9 +237,9 @@ class DistributedDataParallel(TorchDDP):
             replicas=self._replica_check(rank))
         self.logger = DDPLogger(self)  # what DDP logs about itself (logging_data.py)
         self.reducer.logger = self.logger
-        if self.__dict__.get("_use_python_reducer"):  # as torch: its reducer is never armed
+        if self._use_python_reducer:  # as torch: its reducer is never armed
             self.reducer.close()
-            self._accum_grad_hooks = python_reducer.register(self)
+            self._accum_grad_hooks = python_reducer.register(self, [p for _, p in named])
             # dynamo traces the module's forward whole: nothing of the wrapper's runs
             self.__dict__["forward"] = self.module.__call__
             return
@@ -328,7 +330,7 @@ class DistributedDataParallel(TorchDDP):
     # calls is still compiled) and the wrapper's bookkeeping runs eagerly.
     @torch._disable_dynamo
     def _pre_forward(self, *inputs, **kwargs):
-        if self.__dict__.get("_use_python_reducer"):  # as torch's; replicate() calls this
+        if self._use_python_reducer:  # as torch's; replicate() calls this
             return inputs, kwargs
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
@@ -367,7 +369,7 @@ class DistributedDataParallel(TorchDDP):
 
     @torch._disable_dynamo
     def _post_forward(self, outputs):
-        if self.__dict__.get("_use_python_reducer"):
+        if self._use_python_reducer:
             return outputs
         if not (torch.is_grad_enabled() and self.require_backward_grad_sync):
             self.require_forward_param_sync = False
@@ -418,7 +420,7 @@ class DistributedDataParallel(TorchDDP):
         if isinstance(self.reducer.reduction, HookReduction):
             self._log_and_throw(RuntimeError, "register_comm_hook or register_builtin_comm_hook "
                                 "can only be called once.")
-        if self.__dict__.get("_use_python_reducer"):  # torch's fails at backward, in the hook
+        if self._use_python_reducer:  # torch's fails at backward, in the hook
             self._log_and_throw(NotImplementedError, (
                 f"minddp (rank {self.reducer.rank}): comm hooks do not run under "
                 f"torch._dynamo.config.optimize_ddp='python_reducer' (torch's DDP calls them "
@@ -528,7 +530,7 @@ class DistributedDataParallel(TorchDDP):
         for key in ("process_group", "reducer", "engine", "_join", "_generic_join", "timeline",
                     "logger", "_accum_grad_hooks"):
             state.pop(key, None)
-        if self.__dict__.get("_use_python_reducer"):
+        if self._use_python_reducer:
             state.pop("forward", None)  # the module's, set again on load
         state["_static_graph"] = state.pop("static_graph")
         return state
@@ -629,11 +631,6 @@ def _compiled_in_buckets(wrapper):
         yield
     finally:
         TorchDDP._active_ddp_module = active
-
-
-def _shapes(named, ignored):
-    """'name [shape] dtype' of each tensor not ignored: what ranks must agree on."""
-    return [f"{n} {list(t.shape)} {t.dtype}" for n, t in named if n not in ignored]
 
 
 def _refuse_outer_wrapper(ddp):

@@ -57,8 +57,18 @@ def check_same_model(named_params, settings, group):
                              f"{shown}. Pass the same arguments on every rank.")
 
 
+def shapes(named, ignored):
+    """A settings entry: 'name [shape] dtype' of each tensor not ignored, one of the
+    tensors every rank must hold alike (_setting_difference shows the first that differs)."""
+    return _Shapes(f"{n} {list(t.shape)} {t.dtype}" for n, t in named if n not in ignored)
+
+
+class _Shapes(list):
+    """What shapes() returns: a list that _setting_difference knows to show in part."""
+
+
 def _setting_difference(key, first, theirs, other):
-    if key != "bucket_cap_mb_list" and (isinstance(first, list) or isinstance(theirs, list)):
+    if isinstance(first, _Shapes) or isinstance(theirs, _Shapes):
         first, theirs = first or [], theirs or []  # None: not compared on that rank
         k, a, b = _first_difference(first, theirs)  # as long as the model's: its first difference
         return (f"{key}: rank 0 has {len(first)}, rank {other} has {len(theirs)}; the first "

@@ -11,7 +11,7 @@ unchanged; minddp's own buckets, algorithms and codecs take no part in it.
 
     if python_reducer.active():
         python_reducer.configure(bucket_cap_mb, bucket_cap_mb_list)  # before building
-        handles = python_reducer.register(ddp)
+        handles = python_reducer.register(ddp, params)
 """
 import sys
 import weakref
@@ -35,8 +35,9 @@ def configure(bucket_cap_mb, bucket_cap_mb_list):
         inductor._fuse_ddp_bucket_size = bucket_cap_mb
 
 
-def register(ddp):
-    """A post-accumulate-grad hook on each parameter ddp reduces; returns their handles."""
+def register(ddp, params):
+    """A post-accumulate-grad hook on each of `params`, those ddp reduces; returns their
+    handles."""
     import torch.distributed._functional_collectives as fcol
     ref = weakref.ref(ddp)  # the hooks live as long as the parameters
 
@@ -48,6 +49,4 @@ def register(ddp):
         gradient = fcol.all_reduce(param.grad / group.size(), "sum", group)
         param.grad.copy_(gradient)
 
-    return [param.register_post_accumulate_grad_hook(reduce)
-            for name, param in ddp.module.named_parameters()
-            if param.requires_grad and name not in ddp.parameters_to_ignore]
+    return [param.register_post_accumulate_grad_hook(reduce) for param in params]

@@ -34,7 +34,6 @@ class DistributedDataParallel(ddp.DistributedDataParallel):
     as defaults (a keyword passed at construction wins)."""
 
     keywords = {}
-    active = False  # a replace_torch_ddp() is in force (see _new)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **{**type(self).keywords, **kwargs})
@@ -61,9 +60,8 @@ class replace_torch_ddp:
                             f"own are {list(MINDDP_KEYWORDS)} (torch's keywords go to the "
                             f"framework, which passes them on).")
         self._previous = (torch.nn.parallel.DistributedDataParallel,
-                          DistributedDataParallel.keywords, DistributedDataParallel.active)
+                          DistributedDataParallel.keywords)
         DistributedDataParallel.keywords = dict(keywords)
-        DistributedDataParallel.active = True
         torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
         # Installed once and left: CPython cannot give a class whose __new__ was
         # deleted its constructor arguments back ("object.__new__() takes exactly one
@@ -75,8 +73,8 @@ class replace_torch_ddp:
         return self
 
     def __exit__(self, *exc):
-        (torch.nn.parallel.DistributedDataParallel, DistributedDataParallel.keywords,
-         DistributedDataParallel.active) = self._previous
+        torch.nn.parallel.DistributedDataParallel, DistributedDataParallel.keywords = \
+            self._previous
         return False
 
 
@@ -87,7 +85,8 @@ def _new(cls, *args, **kwargs):
     """torch's DDP class's __new__ while the swap is active: a construction of torch's
     class (it has arguments; unpickling has none) makes minddp's wrapper, with the
     swap's keywords."""
-    constructed = DistributedDataParallel.active and bool(args or kwargs)
+    active = torch.nn.parallel.DistributedDataParallel is DistributedDataParallel  # swapped
+    constructed = active and bool(args or kwargs)
     if cls is ddp.TorchDDP and constructed:
         return object.__new__(DistributedDataParallel)
     if constructed and not issubclass(cls, ddp.DistributedDataParallel) and cls not in _warned:

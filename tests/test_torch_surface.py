@@ -373,7 +373,6 @@ def test_sync_batchnorm_on_cpu_refused_at_construction_as_torch():
         assert len(errors) == 2 and errors[1].startswith(errors[0]), errors
 
 
-
 class _TwoHeads(nn.Module):
     def __init__(self):
         super().__init__()
