@@ -123,6 +123,7 @@ class DistributedDataParallel(TorchDDP):
         self.forward_sync_buffers, sync_buffers_at_init = arguments.buffer_sync(
             broadcast_buffers, forward_sync_buffers)
         self.module = module
+        self._assign_modules_buffers()
         self.device = named[0][1].device
         if self.device.type == "cpu" and any(isinstance(m, nn.SyncBatchNorm)
                                              for m in module.modules()):
@@ -281,6 +282,20 @@ class DistributedDataParallel(TorchDDP):
     def _buffers_to_sync(self):
         return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
 
+    def _assign_modules_buffers(self):
+        """torch's: read the module's buffers (those not ignored) again, since a module may
+        have reassigned one (torch issue 63916)."""
+        self.named_module_buffers = {n: b for n, b in self.module.named_buffers()
+                                     if n not in self.parameters_to_ignore}
+        self.modules_buffers = list(self.named_module_buffers.values())
+
+    def will_sync_module_buffers(self):
+        """torch's rule: buffers are broadcast before a forward only where the module had
+        some when wrapped (a module without buffers is not searched every forward; one
+        given a buffer later is not synced, in torch's DDP as here)."""
+        return (self.require_forward_param_sync and self.forward_sync_buffers and
+                len(self.modules_buffers) > 0)
+
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore):
         """torch's way to keep parameters and buffers (by qualified name) out of
@@ -346,9 +361,10 @@ class DistributedDataParallel(TorchDDP):
                 f"no_sync() or torch.no_grad()."))
         if synced:
             self.logger.forward_start()
-        sync_buffers = (self.require_forward_param_sync and self.forward_sync_buffers and
-                        self.world_size > 1)
-        buffers = self._buffers_to_sync() if sync_buffers else []
+        buffers = []
+        if self.world_size > 1 and self.will_sync_module_buffers():
+            self._assign_modules_buffers()
+            buffers = self.modules_buffers
         # torch's DDP, once any join has been entered, takes buffers from the highest rank
         # (its _join_config stays enabled after the join ends).
         source = self.world_size - 1 if self._join_config.enable else 0
@@ -538,6 +554,7 @@ class DistributedDataParallel(TorchDDP):
     def __setstate__(self, state):
         static_graph = state.pop("_static_graph")
         nn.Module.__setstate__(self, state)  # not torch DDP's: it would build torch's reducer
+        self._assign_modules_buffers()  # older pickles lack the list
         self.process_group = dist.group.WORLD
         self._join, self._generic_join, self.static_graph = None, None, False
         self.timeline = None
@@ -555,12 +572,12 @@ _TORCH_PRIVATE_NOT_PROVIDED = (
     "_register_accum_grad_hook", "_delayed_all_reduce_hook", "_register_delay_all_reduce_hook",
     "_setup_in_backward_optimizers", "_fire_reducer_autograd_hook", "_root_copy_hook",
     "_module_wait_for_copy_hook", "_ddp_init_helper",
-    "_build_params_for_reducer", "_assign_modules_buffers", "_build_debug_param_to_name_mapping",
+    "_build_params_for_reducer", "_build_debug_param_to_name_mapping",
     "_get_parameters", "_run_ddp_forward", "_clear_grad_buffer", "_lazy_init",
     "_check_global_requires_backward_grad_sync", "_check_and_sync_module_buffers",
     "_sync_final_model", "_match_all_reduce_for_bwd_pass", "_match_unused_params_allreduce",
     "_register_buffer_comm_hook", "_register_fused_optim", "_distributed_broadcast_coalesced",
-    "_check_sync_bufs_post_fwd", "_check_sync_bufs_pre_fwd", "will_sync_module_buffers",
+    "_check_sync_bufs_post_fwd", "_check_sync_bufs_pre_fwd",
     "_find_common_rank", "_sync_buffers", "_sync_module_buffers", "_default_broadcast_coalesced",
     "_passing_sync_batchnorm_handle", "_set_sparse_metadata", "_update_process_group",
     "_set_ddp_sink_clone",

@@ -148,3 +148,41 @@ def test_torch_bf16_hook_unchanged():
     # oracle is torch DDP without a hook, compared at bf16 precision.
     _assert_ranks_equal(run_world(_train_both, 2, "deep", 3, None, None,
                                   default_hooks.bf16_compress_hook, 1, None))
+
+
+class _ReassignsBuffer(torch.nn.Module):
+    """Replaces its buffer with a new tensor every forward (torch issue 63916)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(4))
+
+    def forward(self, x):
+        self.seen = self.seen + x.mean(0).detach()
+        return self.lin(x) + self.seen
+
+
+def _buffers_after_training(rank, world_size):
+    """Both wrappers: one module that reassigns its buffer, one given a buffer only
+    after it was wrapped; the buffers each rank ends with."""
+    found = {}
+    for kind, wrap in (("torch", TorchDDP), ("minddp", minddp.DDP)):
+        torch.manual_seed(0)
+        reassigns, late = wrap(_ReassignsBuffer()), wrap(torch.nn.Linear(4, 4))
+        late.module.register_buffer("late", torch.full((2,), float(rank)))
+        for step in range(3):
+            x = torch.full((2, 4), float(rank + step))
+            (reassigns(x).sum() + late(x).sum()).backward()
+        found[kind] = (reassigns.module.seen.clone(), late.module.late.clone())
+    return found
+
+
+def test_buffers_synced_where_torchs_are():
+    """torch reads the buffers again before each forward's broadcast, but only where the
+    module had buffers when wrapped: a reassigned buffer is synced, a buffer added later
+    is not."""
+    for rank, found in enumerate(run_world(_buffers_after_training, 2)):
+        for name, ours, torchs in zip(("reassigned", "added later"), found["minddp"],
+                                      found["torch"]):
+            assert torch.equal(ours, torchs), f"rank {rank}, {name}: {ours}, torch {torchs}"
