@@ -9,17 +9,20 @@
 
 namespace minddp {
 void bind_readiness(pybind11::module& m);  // readiness.cpp
+void bind_gradients(pybind11::module& m);  // gradients.cpp
 void bind_shm_flags(pybind11::module& m);  // shm_flags.cpp
 }
 
 // Importing minddp._C registers the ops under torch.ops.minddp. The module
 // itself holds cpu_isa, the CPU kernels in use ("avx512", "avx2" or
 // "scalar"), for benchmarks and tests, and Readiness, the reducer's gradient
-// hooks in C++ (minddp/readiness.py), and flag_arrive / flag_wait, the shared-memory
-// all-reduce's phase flags (shm_flags.cpp; Linux only).
+// hooks in C++ (minddp/readiness.py), gradients, a bucket's .grad tensors read in one
+// call (gradients.cpp), and flag_arrive / flag_wait, the shared-memory all-reduce's phase
+// flags (shm_flags.cpp; Linux only).
 PYBIND11_MODULE(_C, m) {
   m.attr("cpu_isa") = minddp::isa_name(minddp::cpu_isa());
   minddp::bind_readiness(m);
+  minddp::bind_gradients(m);
   minddp::bind_shm_flags(m);
 }
 

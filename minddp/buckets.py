@@ -27,6 +27,11 @@ from typing import Optional
 
 import torch
 
+try:
+    from minddp._C import gradients as _gradients_in_cpp
+except ImportError:  # compression.py says once that the extension is missing
+    _gradients_in_cpp = None
+
 FIRST_BUCKET_BYTES = 1024 * 1024
 # Gradients of at least this many elements are scaled as they are copied into the bucket,
 # a call each (see Bucket.copy_scaled); smaller ones share one _foreach copy and one scale.
@@ -72,6 +77,15 @@ class Bucket:
         if self._small:
             torch._foreach_copy_(self._small_views, [grads[i] for i in self._small])
             torch._foreach_mul_(self._small_views, scale)
+
+    def grads(self):
+        """(each parameter's .grad or None, how many exist, whether every one exists,
+        strided and not requiring grad: the bucket can be copied in whole). One call
+        into the extension where it is built (csrc/gradients.cpp): read from Python,
+        an attribute and a test per parameter cost more than a small gradient's copy."""
+        if _gradients_in_cpp is not None:
+            return _gradients_in_cpp(self.params)
+        return read_grads(self.params)
 
     def view(self, i):
         """Parameter i's slice of the buffer, shaped like the parameter."""
@@ -218,3 +232,12 @@ def allocate(params, assignment, stamp=False, sparse=None, zeros=None):
         buckets.append(Bucket(b, list(indices), members, offsets, storage[:total],
                               storage if extra else None))
     return buckets
+
+
+def read_grads(params):
+    """Bucket.grads without the extension (and what tests compare it with)."""
+    grads = [p.grad for p in params]
+    defined = sum(g is not None for g in grads)
+    plain = defined == len(grads) and all(g.layout == torch.strided and not g.requires_grad
+                                          for g in grads)
+    return grads, defined, plain

@@ -20,12 +20,16 @@ it only queues work on the backend's own threads or streams) runs on the
 caller's thread when nothing is queued or running here, as torch's reducer
 launches its collectives: the order is still the submission order, and a
 short step saves two hand-overs between threads. On CUDA the collective then
-follows the caller's current stream, as torch's does.
+follows the caller's current stream, as torch's does. Started there without
+a timeline, its own Future is handed back as it is: no Python call on the
+backend's thread when it completes.
 
 Errors: an exception inside a job is set on that job's future (the training
 process sees it when it waits, at the latest at the end of backward) and
 poisons the engine, so later jobs fail at once instead of waiting for peers
-that have moved on.
+that have moved on. A backend Future handed back as it is raises the
+backend's error to its waiter alone (the reducer then refuses to go on, and
+the group's connections to a dead peer are closed for whatever follows).
 
 Exit: the thread is a daemon (a forgotten wrapper must not keep the process
 alive), and every engine is stopped at interpreter exit: jobs not yet started
@@ -143,7 +147,9 @@ class CommEngine:
                 self._queued += 1
                 self._jobs.put((job, args, fut, label, timeline))
         if here:  # everything before it has been issued: the order holds
-            self._run(job, args, fut, label, timeline)
+            started = self._run(job, args, fut, label, timeline, direct=timeline is None)
+            if started is not None:
+                return started
         return fut
 
     def run(self, job, *args, label="job"):
@@ -184,7 +190,10 @@ class CommEngine:
                     self._queued -= 1
             del item  # drop the finished job's tensors now, not when the next one comes
 
-    def _run(self, job, args, fut, label, timeline):
+    def _run(self, job, args, fut, label, timeline, direct=False):
+        """Run `job` and pass its result on to `fut`; with `direct`, a backend Future
+        it returns is returned instead (nothing to record: no Python call on the
+        backend's thread when it completes)."""
         if self._error is not None:
             fut.set_exception(self._stopped())
             return
@@ -202,6 +211,8 @@ class CommEngine:
             if timeline is not None:
                 hops.restore(previous)
         # Backend work returns torch._C.Future, the base of torch.futures.Future.
+        if direct and isinstance(result, torch._C.Future):
+            return result
         if isinstance(result, torch._C.Future):
             with self._handed_on:
                 self._handing_on += 1

@@ -331,17 +331,19 @@ class Reducer:
         accumulated under no_sync), or zeros where it has none. The numbers are
         torch's: a copied gradient times 1/divisor, one already in the bucket
         (gradient_as_bucket_view) divided by it."""
-        present = gradients(bucket.params, self.dist_context)
-        if self.dist_context is not None and not self._context_seen:
-            if all(g is None for g in present):  # loss.backward() inside a context: local
-                self.dist_context = None
-                present = gradients(bucket.params, None)
-            self._context_seen = True
+        present, plain = None, False
+        if self.dist_context is not None:
+            present = gradients(bucket.params, self.dist_context)
+            if not self._context_seen:
+                if all(g is None for g in present):  # loss.backward() inside a context: local
+                    self.dist_context = present = None
+                self._context_seen = True
+        if present is None:
+            present, _, plain = bucket.grads()
         if bucket.sparse:
             return self._sparse_ready(bucket.indices[0], bucket, present[0])
         as_view = self.as_view and self.dist_context is None  # a context's grads stay its own
-        if not as_view and all(g is not None and not g.is_sparse and not g.requires_grad
-                               for g in present):  # the usual step: one copy, one scale
+        if not as_view and plain:  # the usual step: one copy, one scale
             if self.reduction.prescaled and self.divisor != 1:
                 bucket.copy_scaled(present, 1.0 / self.divisor)
             else:
@@ -584,12 +586,12 @@ class Reducer:
                 torch._foreach_copy_(grads, sums)
             return
         if used is None and not self.as_view:  # the usual step: one call per bucket
-            grads = gradients(bucket.params, None)
-            if all(g is None for g in grads):  # zero_grad() set them to None
+            grads, defined, _ = bucket.grads()
+            if not defined:  # zero_grad() set them to None
                 for param, grad in zip(bucket.params, torch._foreach_clone(views)):
                     param.grad = grad
                 return
-            if all(g is not None for g in grads):
+            if defined == len(grads):
                 torch._foreach_copy_(grads, views)
                 return
         grads, sums, missing, fresh = [], [], [], []

@@ -26,6 +26,24 @@ def test_buckets_fill_in_reverse_with_small_first_bucket():
     assert buckets.assign(params, buckets.caps(2 * MiB)) == [[5, 4], [3, 2, 1, 0]]
 
 
+@pytest.mark.skipif(buckets._gradients_in_cpp is None, reason="needs minddp._C (its reader)")
+def test_reading_a_buckets_grads_in_cpp_as_in_python():
+    """The extension's reader and its Python twin: every kind of .grad the reducer meets."""
+    params = [nn.Parameter(torch.zeros(3)) for _ in range(4)]
+    cases = {"plain": [torch.ones(3)] * 4,
+             "none": [None] * 4,
+             "one missing": [torch.ones(3), None, torch.ones(3), torch.ones(3)],
+             "create_graph": [torch.ones(3).requires_grad_()] + [torch.ones(3)] * 3,
+             "sparse": [torch.ones(3).to_sparse()] + [torch.ones(3)] * 3}
+    for case, grads in cases.items():
+        for param, grad in zip(params, grads):
+            param.grad = grad
+        ours, theirs = buckets._gradients_in_cpp(params), buckets.read_grads(params)
+        assert ours[1:] == theirs[1:], f"{case}: {ours[1:]} where Python reads {theirs[1:]}"
+        assert all(a is b for a, b in zip(ours[0], theirs[0])), f"{case}: other tensors"
+    assert buckets.read_grads(params)[1:] == (4, False)  # the last case: sparse
+
+
 def test_a_list_of_caps_gives_each_bucket_its_own():
     # torch's bucket_cap_mb_list: bucket k closes at the k-th cap, later ones at the last.
     params = _params(*[(MiB // 8, torch.float32)] * 8)
