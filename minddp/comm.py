@@ -137,20 +137,16 @@ class CommEngine:
         device of the result (a CUDA device makes the future stream-aware).
         `label` names the job in `timeline` and in torch profiles.
         """
-        fut = future_on(device)
         if self._error is not None:
-            fut.set_exception(self._stopped())
-            return fut
+            return _failed(future_on(device), self._stopped())
         with self._queue_lock:
-            here = getattr(job, "nonblocking", False) and self._queued == 0
-            if not here:
+            if not (getattr(job, "nonblocking", False) and self._queued == 0):
+                fut = future_on(device)
                 self._queued += 1
                 self._jobs.put((job, args, fut, label, timeline))
-        if here:  # everything before it has been issued: the order holds
-            started = self._run(job, args, fut, label, timeline, direct=timeline is None)
-            if started is not None:
-                return started
-        return fut
+                return fut
+        # here: everything before it has been issued, so the order holds
+        return self._run(job, args, None, label, timeline, device)
 
     def run(self, job, *args, label="job"):
         """submit() and wait: for set-up work that must keep the group's order."""
@@ -190,13 +186,13 @@ class CommEngine:
                     self._queued -= 1
             del item  # drop the finished job's tensors now, not when the next one comes
 
-    def _run(self, job, args, fut, label, timeline, direct=False):
-        """Run `job` and pass its result on to `fut`; with `direct`, a backend Future
-        it returns is returned instead (nothing to record: no Python call on the
-        backend's thread when it completes)."""
+    def _run(self, job, args, fut, label, timeline, device=None):
+        """Run `job` and pass its result on to `fut`, which is returned. `fut` None (a
+        job run on the caller's thread): one is made on `device` where needed, and a
+        backend Future the job returns is handed back as it is when no timeline
+        records (no Python call on the backend's thread when it completes)."""
         if self._error is not None:
-            fut.set_exception(self._stopped())
-            return
+            return _failed(fut if fut is not None else future_on(device), self._stopped())
         start = now_us()
         # Only while a timeline records do minddp's algorithms note their hops.
         previous = hops.recording(timeline, label) if timeline is not None else None
@@ -205,15 +201,16 @@ class CommEngine:
                 result = job(*args)
         except Exception as e:  # noqa: BLE001 - handed to the waiting thread
             self._error = e
-            fut.set_exception(e)
-            return
+            return _failed(fut if fut is not None else future_on(device), e)
         finally:
             if timeline is not None:
                 hops.restore(previous)
         # Backend work returns torch._C.Future, the base of torch.futures.Future.
-        if direct and isinstance(result, torch._C.Future):
+        is_future = isinstance(result, torch._C.Future)
+        if is_future and fut is None and timeline is None:
             return result
-        if isinstance(result, torch._C.Future):
+        fut = fut if fut is not None else future_on(device)
+        if is_future:
             with self._handed_on:
                 self._handing_on += 1
             result.add_done_callback(
@@ -222,6 +219,7 @@ class CommEngine:
         else:
             _record(timeline, label, start)
             fut.set_result(result)
+        return fut
 
     def _forward(self, done, fut, span):
         # Runs on the backend's thread once its work is done (on CUDA with its
@@ -239,6 +237,11 @@ class CommEngine:
             with self._handed_on:
                 self._handing_on -= 1
                 self._handed_on.notify_all()
+
+
+def _failed(fut, error):
+    fut.set_exception(error)
+    return fut
 
 
 def _record(timeline, label, start):
