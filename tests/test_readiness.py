@@ -98,11 +98,13 @@ def test_cpp_hook_raises_the_callbacks_own_exception():
 
 class _Net(nn.Module):
     """A block checkpointed twice (static_graph: two gradients per backward), heads
-    used on even and odd steps only (find_unused_parameters), a parameter never used."""
+    used on even and odd steps only (find_unused_parameters), a parameter never used.
+    The block's weights are large enough to be scaled as they are copied into their
+    bucket (buckets.SCALED_COPY_ELEMENTS)."""
 
     def __init__(self):
         super().__init__()
-        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.block = nn.Sequential(nn.Linear(8, 2048), nn.Tanh(), nn.Linear(2048, 8))
         self.even, self.odd = nn.Linear(8, 4), nn.Linear(8, 4)
         self.spare = nn.Linear(8, 8)
 
@@ -130,21 +132,23 @@ def _train(rank, world_size, kwargs, use_extension):
         if wrap is minddp.DDP:
             kind = type(ddp.reducer.readiness)
             assert kind is (readiness.Readiness if use_extension else readiness.PyReadiness)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
         grads = []
-        for step in range(4):
+        for step in range(12):  # the C++ hooks count from the 11th (logging samples 10)
             opt.zero_grad(set_to_none=step % 2 == 0)
             g = torch.Generator().manual_seed(10 * step + rank)
             x = torch.randn(4, 8, generator=g).requires_grad_(reentrant)
             if kwargs.get("find_unused_parameters"):  # one micro-step under no_sync
                 with ddp.no_sync():
                     ddp(x, step + 1, reentrant).sum().backward()
-            ddp(x, 0 if reentrant else step, reentrant).square().sum().backward()
+            ddp(x, 0 if reentrant else step, reentrant).square().mean().backward()
             grads.append([None if p.grad is None else p.grad.clone()
                           for p in ddp.module.parameters()])
             opt.step()
         out.append(grads)
-    return out
+    # Past the iterations torch's logging samples, the C++ hooks count (COUNT mode)
+    counted = ddp.reducer._ready_order is None and not ddp.reducer._measuring
+    return out, counted
 
 
 @pytest.mark.parametrize("use_extension", [
@@ -155,7 +159,9 @@ def _train(rank, world_size, kwargs, use_extension):
     {"gradient_as_bucket_view": True, "find_unused_parameters": True, "bucket_cap_mb": 0.001}],
     ids=["unused-no_sync", "static-reentrant", "bucket-view-tiny-buckets"])
 def test_wrapper_matches_torch_with_either_hooks(kwargs, use_extension):
-    for rank, (theirs, ours) in enumerate(run_world(_train, 2, kwargs, use_extension)):
+    for rank, ((theirs, ours), counted) in enumerate(run_world(_train, 2, kwargs,
+                                                               use_extension)):
+        assert counted, "the last backward was sampled: the hooks' COUNT mode went untested"
         for step, (a, b) in enumerate(zip(theirs, ours)):
             for i, (x, y) in enumerate(zip(a, b)):
                 assert (x is None) == (y is None), f"rank {rank} step {step} parameter {i}"
