@@ -18,8 +18,8 @@ makes torch's. A framework's own subclass of torch's DDP (its reducer is
 torch's, and its methods may need it) is built as it is, with a warning. Every
 minddp wrapper passes `isinstance(model, DistributedDataParallel)` against
 torch's class, so the frameworks' checks take it; a check made through the
-rebound name while the swap is in force takes the wrappers built through the
-swap (a `minddp.DDP` built directly is not an instance of the swap's class).
+rebound name while the swap is in force answers as one against torch's class
+(isinstance; not issubclass).
 """
 import inspect
 import warnings
@@ -29,7 +29,19 @@ import torch.nn.parallel
 from minddp import ddp
 
 
-class DistributedDataParallel(ddp.DistributedDataParallel):
+class _AnsweringAsTorchs(type(ddp.DistributedDataParallel)):  # torch DDP is Joinable, an ABC
+    """isinstance against the swap's class answers as against torch's class, whose
+    name it takes: code that checks `isinstance(model,
+    torch.nn.parallel.DistributedDataParallel)` while the swap is in force (Accelerate's
+    unwrap_model) takes a minddp.DDP built directly, and a torch DDP, as without it.
+    issubclass is left as it is: ABCMeta answers issubclass against a class by asking
+    its subclasses, so widening this one would make torch's DDP pass for minddp's."""
+
+    def __instancecheck__(cls, obj):
+        return ddp.TorchDDP in type(obj).__mro__
+
+
+class DistributedDataParallel(ddp.DistributedDataParallel, metaclass=_AnsweringAsTorchs):
     """minddp's wrapper with the keywords given to the active replace_torch_ddp()
     as defaults (a keyword passed at construction wins)."""
 

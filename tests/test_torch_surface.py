@@ -169,17 +169,24 @@ def test_sync_flag_is_read_after_the_forward_as_torch():
 
 
 def _replaced(rank, world_size):
+    torchs = TorchDDP(nn.Linear(3, 3))
     with minddp.replace_torch_ddp(algorithm="ring") as _:
-        built = torch.nn.parallel.DistributedDataParallel(nn.Linear(3, 3))
+        name = torch.nn.parallel.DistributedDataParallel
+        built = name(nn.Linear(3, 3))
+        direct = minddp.DDP(nn.Linear(3, 3))
+        # as against torch's class, which the name stands for
+        answers = [isinstance(m, name) for m in (built, direct, torchs, nn.Linear(3, 3))] + [
+            isinstance(torchs, minddp.DDP), issubclass(TorchDDP, minddp.DDP)]  # not widened
     after = torch.nn.parallel.DistributedDataParallel(nn.Linear(3, 3))
     return (type(built).__module__, built.algorithm, isinstance(built, TorchDDP),
-            type(after).__module__)
+            type(after).__module__, answers)
 
 
 def test_replace_torch_ddp_builds_minddp_and_restores_torch():
-    built_in, algorithm, is_torch_ddp, after = run_world(_replaced, 2)[0]
+    built_in, algorithm, is_torch_ddp, after, answers = run_world(_replaced, 2)[0]
     assert built_in.startswith("minddp") and algorithm == "ring" and is_torch_ddp
     assert after == "torch.nn.parallel.distributed"
+    assert answers == [True, True, True, False, False, False], answers
 
 
 def _built_through_other_names(rank, world_size):
