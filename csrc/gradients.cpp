@@ -1,4 +1,4 @@
-// A bucket's .grad tensors, read in one call (minddp/buckets.py, Bucket.gradients).
+// A bucket's .grad tensors, read in one call (minddp/buckets.py, Bucket.grads).
 //
 // The reducer reads every gradient of a bucket twice a step, to copy it in and
 // to write the sum back; read from Python, an attribute access and a test per
