@@ -348,10 +348,11 @@ class DistributedDataParallel(TorchDDP):
         if self._use_python_reducer:  # as torch's; replicate() calls this
             return inputs, kwargs
         grad_enabled = torch.is_grad_enabled()
-        if grad_enabled:
+        recomputing = grad_enabled and self._recomputing()
+        if grad_enabled and not recomputing:
             self.reducer.check_finished()
             _refuse_outer_wrapper(self)
-        synced = grad_enabled and self.require_backward_grad_sync
+        synced = grad_enabled and self.require_backward_grad_sync and not recomputing
         if synced and self.reducer.closed:  # torch's DDP would train on apart, silently
             self._log_and_throw(RuntimeError, (
                 f"minddp (rank {self.reducer.rank}): this wrapper's gradient hooks were removed "
@@ -376,16 +377,32 @@ class DistributedDataParallel(TorchDDP):
         if join is not None:  # uneven inputs: tell the joined ranks what comes
             source, self._divisor = join.before_forward(bool(buffers), synced)
         if buffers:
-            with torch.no_grad():
+            # As torch's: the broadcast leaves the buffers' version counters alone, so a
+            # module run twice before one backward (BatchNorm on two views of a batch)
+            # does not find its saved running stats "modified by an inplace operation".
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(
+                    tuple(buffers)):
                 broadcast_from_first(buffers, self.process_group, src=source)
         if self.device_ids:
             inputs, kwargs = _to_device((inputs, kwargs),
                                         torch.device(self.device.type, self.device_ids[0]))
         return inputs, kwargs
 
+    def _recomputing(self):
+        """A forward run while this wrapper's own backward runs: autograd recomputing it
+        for activation checkpointing around the whole wrapper
+        (`checkpoint(ddp, x, use_reentrant=False)`; with static_graph the backward has
+        begun before any gradient). It belongs to the step under way, so it neither
+        checks that the previous one finished nor arms a new one; buffers are broadcast
+        as in any forward, as torch's DDP does."""
+        return (self.reducer.phase is Phase.RUNNING and
+                torch._C._current_graph_task_id() != -1)
+
     @torch._disable_dynamo
     def _post_forward(self, outputs):
         if self._use_python_reducer:
+            return outputs
+        if torch.is_grad_enabled() and self._recomputing():
             return outputs
         if not (torch.is_grad_enabled() and self.require_backward_grad_sync):
             self.require_forward_param_sync = False

@@ -668,16 +668,23 @@ class Reducer:
                 pass  # the iteration is lost either way
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8
                                           else "")
+        # torch's words first (its tests and users match them), then what minddp saw.
+        unused = ("Since `find_unused_parameters=True` is enabled, not all `forward` outputs "
+                  "may participate in computing loss: make sure all `forward` function outputs "
+                  "participate in calculating loss." if self.find_unused else
+                  "If those parameters took no part in the loss, enable unused parameter "
+                  "detection by passing the keyword argument `find_unused_parameters=True` to "
+                  "`torch.nn.parallel.DistributedDataParallel`, and make sure all `forward` "
+                  "function outputs participate in calculating loss.")
         self._break(
-            f"minddp (rank {self.rank}): expected to have finished reduction in the prior "
-            f"iteration before starting a new one. Its backward pass did not finish: "
+            f"Expected to have finished reduction in the prior iteration before starting a new "
+            f"one. minddp (rank {self.rank}): its backward pass did not finish: "
             f"{len(missing)} parameter(s) got no gradient ({shown}), so buckets "
             f"{_spans(waiting)} of {len(self.buckets)} were never reduced and the other ranks "
             f"cannot complete that iteration. Either an exception interrupted backward (DDP "
             f"cannot skip a batch after its backward started: let the error stop training on "
             f"every rank, or skip the batch before backward on every rank), or those "
-            f"parameters took no part in the loss (pass find_unused_parameters=True, and make "
-            f"sure every forward output takes part in the loss).")
+            f"parameters took no part in the loss. {unused}")
 
     def _break(self, message):
         self.phase = Phase.BROKEN
@@ -690,7 +697,7 @@ class Reducer:
         return message
 
     def _marked_twice(self, index):
-        return (f"minddp (rank {self.rank}): expected to mark a variable ready only once, but "
+        return (f"Expected to mark a variable ready only once. minddp (rank {self.rank}): "
                 f"parameter '{self.names[index]}' received its gradient twice in one backward "
                 f"pass. It took part in several backward passes over one forward (reentrant "
                 f"checkpointing reusing it, or a parameter used outside forward), or it was "
@@ -698,8 +705,8 @@ class Reducer:
                 f"static_graph=True if the graph is the same every iteration.")
 
     def _graph_changed(self, index):
-        return (f"minddp (rank {self.rank}): your training graph has changed in this "
-                f"iteration: parameter '{self.names[index]}' got more gradients than in the "
+        return (f"Your training graph has changed in this iteration. minddp (rank "
+                f"{self.rank}): parameter '{self.names[index]}' got more gradients than in the "
                 f"first iteration (or was unused then). static_graph=True requires the same "
                 f"graph every iteration; construct the wrapper without it.")
 

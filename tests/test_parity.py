@@ -165,24 +165,30 @@ class _ReassignsBuffer(torch.nn.Module):
 
 def _buffers_after_training(rank, world_size):
     """Both wrappers: one module that reassigns its buffer, one given a buffer only
-    after it was wrapped; the buffers each rank ends with."""
+    after it was wrapped, and BatchNorm run on two batches before one backward; the
+    buffers each rank ends with."""
     found = {}
     for kind, wrap in (("torch", TorchDDP), ("minddp", minddp.DDP)):
         torch.manual_seed(0)
         reassigns, late = wrap(_ReassignsBuffer()), wrap(torch.nn.Linear(4, 4))
+        twice = wrap(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
         late.module.register_buffer("late", torch.full((2,), float(rank)))
         for step in range(3):
             x = torch.full((2, 4), float(rank + step))
             (reassigns(x).sum() + late(x).sum()).backward()
-        found[kind] = (reassigns.module.seen.clone(), late.module.late.clone())
+            # the second forward's broadcast must leave the saved running stats valid
+            (twice(x).square().mean() + twice(x * 2).square().mean()).backward()
+        found[kind] = (reassigns.module.seen.clone(), late.module.late.clone(),
+                       *[t.detach().clone() for t in twice.module.state_dict().values()])
     return found
 
 
 def test_buffers_synced_where_torchs_are():
     """torch reads the buffers again before each forward's broadcast, but only where the
     module had buffers when wrapped: a reassigned buffer is synced, a buffer added later
-    is not."""
+    is not; the broadcast keeps the buffers' version counters (a BatchNorm module run
+    twice before one backward failed in backward with minddp)."""
     for rank, found in enumerate(run_world(_buffers_after_training, 2)):
-        for name, ours, torchs in zip(("reassigned", "added later"), found["minddp"],
-                                      found["torch"]):
+        names = ("reassigned", "added later", *[f"two forwards: {k}" for k in range(7)])
+        for name, ours, torchs in zip(names, found["minddp"], found["torch"]):
             assert torch.equal(ours, torchs), f"rank {rank}, {name}: {ours}, torch {torchs}"
