@@ -196,7 +196,7 @@ class DistributedDataParallel(TorchDDP):
             if init_sync:
                 check_same_model(named, settings, self.process_group)
                 broadcast_from_first([p.data for p in self._parameters_to_sync()] +
-                                     (self._buffers_to_sync() if sync_buffers else []),
+                                     (self.modules_buffers if sync_buffers else []),
                                      self.process_group)
             self.engine = comm.engine_for(self.process_group, self._timeout, self.device)
         except ModelMismatch:
@@ -279,14 +279,17 @@ class DistributedDataParallel(TorchDDP):
     def _parameters_to_sync(self):
         return [p for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
 
+    def _named_buffers_to_sync(self):
+        return {n: b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore}
+
     def _buffers_to_sync(self):
-        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+        """The module's buffers (those not ignored) as they are now."""
+        return list(self._named_buffers_to_sync().values())
 
     def _assign_modules_buffers(self):
         """torch's: read the module's buffers (those not ignored) again, since a module may
         have reassigned one (torch issue 63916)."""
-        self.named_module_buffers = {n: b for n, b in self.module.named_buffers()
-                                     if n not in self.parameters_to_ignore}
+        self.named_module_buffers = self._named_buffers_to_sync()
         self.modules_buffers = list(self.named_module_buffers.values())
 
     def will_sync_module_buffers(self):

@@ -672,8 +672,8 @@ class Reducer:
         unused = ("Since `find_unused_parameters=True` is enabled, not all `forward` outputs "
                   "may participate in computing loss: make sure all `forward` function outputs "
                   "participate in calculating loss." if self.find_unused else
-                  "If those parameters took no part in the loss, enable unused parameter "
-                  "detection by passing the keyword argument `find_unused_parameters=True` to "
+                  "You can enable unused parameter detection by passing the keyword argument "
+                  "`find_unused_parameters=True` to "
                   "`torch.nn.parallel.DistributedDataParallel`, and make sure all `forward` "
                   "function outputs participate in calculating loss.")
         self._break(

@@ -32,9 +32,8 @@ def current_context():
 
 
 def gradients(params, context):
-    """Each parameter's gradient in this backward: its .grad, or (under distributed
-    autograd) the context's tensor, None where it has none."""
-    if context is None:
-        return [p.grad for p in params]
+    """Each parameter's gradient in distributed autograd context `context` (the
+    context's own tensor), None where it has none. Outside a context the reducer
+    reads .grad itself (Bucket.grads)."""
     found = dist_autograd.get_gradients(context)
     return [found.get(p) for p in params]
