@@ -10,6 +10,14 @@ got stuck before backward.
 A rank that finds its own last backward unfinished (an exception inside it)
 also leaves a note there: its peers, waiting for buckets it will never send,
 read it and fail at once instead of at the timeout (`wait`).
+
+The entry also says how the rank reduces its buckets (the reduction's
+`kind`, reduction.py). Ranks that reduce one iteration differently (a comm
+hook registered on some ranks only) wait for collectives their peers never
+issue; a rank whose bucket is late compares its kind with the next rank's,
+and on a difference fails, with a note for the others, instead of waiting
+out the timeout. Each rank compares with one neighbour: if any two ranks
+differ, some neighbours do.
 """
 import threading
 
@@ -26,17 +34,23 @@ class PeerProgress:
     def __init__(self, group, name):
         """`name`: the same on every rank for one wrapper, different for others."""
         self.rank = dist.get_rank(group)
-        self.peers = [r for r in range(dist.get_world_size(group)) if r != self.rank]
+        world_size = dist.get_world_size(group)
+        self.peers = [r for r in range(world_size) if r != self.rank]
+        self.neighbour = (self.rank + 1) % world_size
+        self.iteration = self.kind = None  # what `entered` published last
+        self._compared = None  # the iteration whose kinds the neighbour's matched
         try:
             store = dist.distributed_c10d._get_default_store()
             self.store = dist.PrefixStore(f"minddp/{name}/", store)
         except Exception:  # noqa: BLE001 - no store (a custom init): diagnosis is best effort
             self.store = None
 
-    def entered(self, iteration):
+    def entered(self, iteration, kind):
+        """This rank has begun the backward of `iteration`, reducing it by `kind`."""
+        self.iteration, self.kind = iteration, kind
         if self.store is not None and self.peers:
             try:
-                self.store.set(f"rank{self.rank}", str(iteration))
+                self.store.set(f"rank{self.rank}", f"{iteration} {kind}")
             except Exception:  # noqa: BLE001 - rank 0, the store's host, is gone: the
                 pass           # reduction fails next and says so
 
@@ -61,7 +75,8 @@ class PeerProgress:
 
     def wait(self, future):
         """future.wait(), but raise sooner when a peer has left a note that it gave
-        up its iteration (`abandon`): what it did not send will never arrive."""
+        up its iteration (`abandon`): what it did not send will never arrive; or
+        when the neighbour reduces this iteration differently (then leave one)."""
         if not future.done():
             arrived = threading.Event()
             future.add_done_callback(lambda _: arrived.set())
@@ -69,7 +84,39 @@ class PeerProgress:
                 note = self.abandoned()
                 if note is not None:
                     raise RuntimeError(f"{note}; nothing it did not send will arrive")
+                different = self._reduces_differently()
+                if different is not None:
+                    self.abandon(f"gave up iteration {self.iteration}: {different}")
+                    raise RuntimeError(f"minddp (rank {self.rank}): {different}")
         return future.wait()
+
+    def _entry(self, peer):
+        """(iteration, kind) a peer published last, None if it has not (raises where the
+        store cannot be read)."""
+        key = f"rank{peer}"
+        if not self.store.check([key]):
+            return None
+        iteration, kind = self.store.get(key).decode().split(" ", 1)
+        return int(iteration), kind
+
+    def _reduces_differently(self):
+        """A sentence where the neighbour reduces this iteration otherwise than this rank
+        does, else None. Read until the neighbour has entered this iteration, then no more."""
+        if self.store is None or not self.peers or self._compared == self.iteration:
+            return None
+        try:
+            entry = self._entry(self.neighbour)
+        except Exception:  # noqa: BLE001 - the store's host is gone: the wait fails on its own
+            return None
+        if entry is None or entry[0] != self.iteration:
+            return None
+        self._compared = self.iteration
+        if entry[1] == self.kind:
+            return None
+        return (f"rank {self.neighbour} reduces iteration {self.iteration}'s buckets with "
+                f"{entry[1]}, rank {self.rank} with {self.kind}: their collectives never "
+                f"pair. Every rank must call register_comm_hook (the same hook) before the "
+                f"same iteration, or none")
 
     def behind(self, iteration):
         """Peers whose last published iteration is earlier than `iteration`, as
@@ -80,10 +127,9 @@ class PeerProgress:
         late = {}
         try:
             for peer in self.peers:
-                key = f"rank{peer}"
-                seen = int(self.store.get(key)) if self.store.check([key]) else None
-                if seen is None or seen < iteration:
-                    late[peer] = seen
+                entry = self._entry(peer)
+                if entry is None or entry[0] < iteration:
+                    late[peer] = None if entry is None else entry[0]
         except Exception:  # noqa: BLE001 - the store's host is gone
             return None
         return late

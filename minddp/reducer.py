@@ -273,7 +273,7 @@ class Reducer:
         self._backward_start = now_us()
         self._ready_order = self.logger.ready_order() if self.logger is not None else None
         if self.progress is not None:
-            self.progress.entered(self.iterations)
+            self.progress.entered(self.iterations, self.reduction.kind)
         # static_graph: ready after as many gradients as the first iteration saw
         self.readiness.reset(self._expected)
         self._futures = [None] * len(self.buckets)

@@ -26,6 +26,10 @@ PowerSGD through `powersgd.PowerSGDReduction`.
                                bucket's device
     reduction.carries_stamp    True: it sums bucket 0's step-check slots with
                                the bucket, exactly (step_check.py)
+    reduction.kind             how buckets travel, in words the same on every
+                               rank that reduces alike (OWN or HOOK): ranks of
+                               different kinds issue collectives that never
+                               pair, which health.py tells them
     reduction.allocate         where present, allocate(numel, dtype, device) ->
                                zeros or None: the buckets' storage (shared memory)
 
@@ -39,6 +43,11 @@ import torch
 import torch.distributed as dist
 
 from minddp.comm import future_on
+
+# reduction.kind: the wrapper's own algorithms and compression (keywords every rank checks
+# alike at construction), or a communication hook (registered by each rank on its own).
+OWN = "minddp's own reduction"
+HOOK = "a communication hook"
 
 
 def setup_collective(engine, collective, buffers, provisional=False):
@@ -87,6 +96,7 @@ class AlgorithmReduction:
     Future` (registry.py), after the reducer has divided it."""
 
     prescaled = True
+    kind = OWN
 
     def __init__(self, engine, collective, name, timeline=None, exact=True):
         self.engine, self.collective, self.timeline = engine, collective, timeline
@@ -122,6 +132,7 @@ class HookReduction:
 
     prescaled = False
     carries_stamp = False
+    kind = HOOK
     name = "the communication hook"
 
     def __init__(self, state, hook):

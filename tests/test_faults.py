@@ -25,14 +25,14 @@ def _die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _wait_for_survivors(rank, world_size, victim, meeting):
+def _wait_for_survivors(rank, survivors, meeting):
     """Stay alive until every survivor has failed too. The store that names the
     peer lives in rank 0's process; and on a tree a rank may only notice the
     death through its parent, which must not vanish first. A file per rank
     serves as the meeting point: the process group is broken by now."""
     open(os.path.join(meeting, str(rank)), "w").close()
     deadline = time.monotonic() + 2 * TIMEOUT
-    while time.monotonic() < deadline and len(os.listdir(meeting)) < world_size - 1:
+    while time.monotonic() < deadline and len(os.listdir(meeting)) < survivors:
         time.sleep(0.05)
 
 
@@ -61,7 +61,7 @@ def _fault(rank, world_size, when, victim, meeting, algorithm):
             out.square().mean().backward()
     except Exception as e:  # noqa: BLE001 - what each survivor saw is the result
         elapsed = time.monotonic() - t0
-        _wait_for_survivors(rank, world_size, victim, meeting)
+        _wait_for_survivors(rank, world_size - 1, meeting)
         return elapsed, str(e)
     return None, "no error"
 
@@ -98,3 +98,32 @@ def test_survivors_raise_naming_the_peer(when, victim, algorithm, tmp_path):
             assert "iteration 1" in error, error
         else:
             assert f"waiting for rank {victim} (last entered iteration 0)" in error, error
+
+
+def _hook_on_one_rank(rank, world_size, hooked, timeout, meeting):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = minddp.DDP(DeepNet(), timeout=timeout)
+    if rank == hooked:
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    t0 = time.monotonic()
+    try:
+        ddp(*batch("deep", rank, 0)).sum().backward()
+    except RuntimeError as e:
+        elapsed = time.monotonic() - t0
+        _wait_for_survivors(rank, world_size, meeting)  # rank 0's store holds the note
+        return elapsed, str(e)
+    return None, "no error"
+
+
+def test_a_comm_hook_on_one_rank_only_fails_every_rank_at_once(tmp_path):
+    # Rank 1's hook all-reduces on the gradient group where ranks 0 and 2 run minddp's
+    # own algorithm: nothing pairs. Ranks 0 and 1 see their neighbour differ; rank 2,
+    # whose neighbour (0) reduces as it does, reads the note rank 0 or 1 leaves.
+    timeout = 40
+    for rank, (elapsed, error) in enumerate(run_world(_hook_on_one_rank, 3, 1, timeout,
+                                                      str(tmp_path), timeout=90)):
+        assert elapsed is not None, f"rank {rank} trained with a hook on rank 1 only"
+        assert elapsed < timeout / 2, f"rank {rank} waited {elapsed:.1f}s: the timeout's error"
+        assert "a communication hook" in error and "minddp's own reduction" in error, error
+        assert "register_comm_hook" in error, error

@@ -39,7 +39,7 @@ from minddp import devices, registry
 from minddp.algorithms import collective
 from minddp.algorithms.cost_model import interleaved
 from minddp.compression.codecs import ErrorFeedback
-from minddp.reduction import dense, is_sparse, launch_sparse, setup_collective
+from minddp.reduction import OWN, dense, is_sparse, launch_sparse, setup_collective
 
 log = logging.getLogger("minddp.compression")
 
@@ -62,6 +62,7 @@ class AutoCompression:
     per bucket."""
 
     prescaled = True
+    kind = OWN
 
     def __init__(self, engine, algorithm, group, name, timeline=None):
         self.engine, self.group, self.timeline = engine, group, timeline

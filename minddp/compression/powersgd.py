@@ -30,7 +30,7 @@ import dataclasses
 import torch
 
 from minddp import registry
-from minddp.reduction import dense, is_sparse, launch_sparse, setup_collective
+from minddp.reduction import OWN, dense, is_sparse, launch_sparse, setup_collective
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +146,7 @@ class PowerSGDReduction:
 
     prescaled = True       # buckets hold gradient / world size: sums are means
     carries_stamp = False  # lossy: the step check runs on its own
+    kind = OWN
 
     def __init__(self, engine, collective, settings, world_size, name, timeline=None):
         self.engine, self.collective, self.settings = engine, collective, settings
