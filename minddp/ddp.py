@@ -95,7 +95,15 @@ class DistributedDataParallel(TorchDDP):
         if device_mesh is not None:
             if device_mesh.ndim != 1:
                 raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+            self.device_mesh = device_mesh
             process_group = device_mesh.get_group(mesh_dim=0)
+            if device_mesh._get_root_mesh() != device_mesh:
+                # The data-parallel slice of a larger mesh (DDP + tensor parallel): as torch's
+                # DDP, turn the DTensor parameters into their local shards, which are what
+                # this slice's ranks hold alike and reduce.
+                from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+                _pre_dp_module_transform(module)
         group = process_group if process_group is not None else dist.group.WORLD
         rank = dist.get_rank(group)
         arguments.refuse_unimplemented(
@@ -204,7 +212,8 @@ class DistributedDataParallel(TorchDDP):
         except Exception as e:
             raise RuntimeError(
                 f"minddp (rank {rank}): start-up agreement with the other ranks failed: a peer "
-                f"died or did not construct the wrapper within the process group's timeout. "
+                f"died or did not construct the wrapper within the process group's timeout, "
+                f"or this rank could not take part (the cause says which). "
                 f"Cause: {first_line(e)}") from e
 
     def _build_reducer(self, named, static_graph):

@@ -424,3 +424,35 @@ def test_bucket_bytes_cap_as_torch():
     caps = run_world(_bucket_caps, 1)[0]
     assert caps[2][0] == 3 * 1024 * 1024, caps  # torch: the largest of the list
     assert all(theirs == ours for theirs, ours in caps), caps
+
+
+def _tensor_parallel_on_a_mesh_slice(rank, world_size):
+    """DDP + tensor parallel as torch's tutorial writes it: DDP over the "dp" slice of a
+    2-D mesh, whose parameters are DTensors until the wrapper (as torch's) makes them local.
+    One step through each wrapper, the same data; the gradients and the mesh it keeps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "tp"))
+    grads, meshes = [], []
+    for wrap in (TorchDDP, minddp.DDP):
+        torch.manual_seed(0)
+        model = parallelize_module(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
+                                   mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        ddp = wrap(model, device_mesh=mesh["dp"])
+        params = list(ddp.parameters())  # the local shards: the forward swaps DTensors in
+        x, y = _batch(rank, 0)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        grads.append([p.grad.clone() for p in params])
+        meshes.append(ddp.device_mesh == mesh["dp"])
+    return grads, meshes
+
+
+def test_ddp_over_the_data_parallel_slice_of_a_mesh_as_torch():
+    for rank, ((theirs, ours), meshes) in enumerate(run_world(
+            _tensor_parallel_on_a_mesh_slice, 2)):
+        assert meshes == [True, True], f"rank {rank}: ddp.device_mesh {meshes}"
+        assert len(ours) == len(theirs) == 4
+        for a, b in zip(theirs, ours):
+            assert type(a) is type(b) and torch.equal(a, b), f"rank {rank}"
