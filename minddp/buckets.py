@@ -21,6 +21,11 @@ parameter's view into a bucket has those same strides, so the copy into it
 is a plain one and, with gradient_as_bucket_view, .grad looks as autograd
 would have made it. Comm hooks' `bucket.gradients()` stay row-major slices
 of the flat buffer, as torch's are.
+
+A complex parameter's bucket holds its real and imaginary parts as real
+numbers (torch's reducer does the same): the buffer, what every algorithm,
+codec and comm hook sees, is float32 for complex64 (float64 for complex128),
+two elements per value, and the parameter's view is a complex view of them.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -46,8 +51,9 @@ class Bucket:
     indices: list         # the parameters' positions in the list given to build()
     params: list          # the parameters, in the order they sit in the buffer
     offsets: list         # element offset of each parameter in the buffer
-    buffer: Optional[torch.Tensor]  # flat, 1-D, dtype and device of its parameters;
-    #                                 sparse: the parameter's sparse .grad (None before one)
+    buffer: Optional[torch.Tensor]  # flat, 1-D, dtype (real for complex: above) and device
+    #                                 of its parameters; sparse: the parameter's sparse .grad
+    #                                 (None before one)
     carrier: Optional[torch.Tensor] = None  # buffer + STAMP trailing slots (see build)
     sparse: bool = False  # one parameter that expects a sparse gradient
 
@@ -102,14 +108,22 @@ class Bucket:
     def _slices(self, flat):
         flat = flat if flat.is_contiguous() else flat.contiguous()  # as_strided needs stride 1
         base = flat.storage_offset()
-        return [flat.as_strided(p.shape, gradient_strides(p), base + o)
-                for p, o in zip(self.params, self.offsets)]
+        views = []
+        for p, o in zip(self.params, self.offsets):
+            if p.is_complex():  # (real, imaginary) pairs, the value's stride doubled
+                pairs = flat.as_strided((*p.shape, 2), (*(2 * s for s in gradient_strides(p)), 1),
+                                        base + o)
+                views.append(torch.view_as_complex(pairs))
+            else:
+                views.append(flat.as_strided(p.shape, gradient_strides(p), base + o))
+        return views
 
     def flat_slices(self, flat):
         """Every parameter's slice of `flat` (the buffer, or a 1-D tensor of its size),
         row-major whatever its layout: what torch's GradBucket.gradients() returns
-        (and PowerSGD reshapes)."""
-        return [flat[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
+        (and PowerSGD reshapes); a complex parameter's as (..., 2) real pairs."""
+        return [flat[o:o + elements(p)].view(*p.shape, 2) if p.is_complex() else
+                flat[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
 
     @property
     def nbytes(self):
@@ -118,6 +132,11 @@ class Bucket:
             return 0 if grad is None else sum(t.numel() * t.element_size()
                                               for t in (grad._indices(), grad._values()))
         return self.buffer.numel() * self.buffer.element_size()
+
+
+def elements(param):
+    """How many elements of a bucket's buffer `param`'s gradient takes (complex: two a value)."""
+    return param.numel() * 2 if param.is_complex() else param.numel()
 
 
 def gradient_strides(param):
@@ -219,8 +238,8 @@ def allocate(params, assignment, stamp=False, sparse=None, zeros=None):
         offsets, total = [], 0
         for p in members:
             offsets.append(total)
-            total += p.numel()
-        dtype = members[0].dtype
+            total += elements(p)
+        dtype = members[0].dtype.to_real()
         # On the CPU only: reading the sums back from a GPU would make the host
         # wait for it every step (the reducer's step check then takes a CPU
         # collective of its own).

@@ -107,7 +107,7 @@ def checksum(tensor):
     plus its trailing bytes (fewer than 8) as unsigned values. Exact and
     order-independent: equal bits give equal checksums on every rank and
     device; any single flipped bit changes it."""
-    raw = tensor.detach().reshape(-1).view(torch.uint8)
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)  # strided: a copy
     words = raw.numel() // 8 * 8
     head = raw[:words]
     if head.storage_offset() % 8:  # a view into a larger tensor, off a word boundary

@@ -72,9 +72,24 @@ class AliasNet(nn.Module):
         return x * (self.w + self.a.view(-1) + self.b.view(-1))
 
 
+class OddNet(nn.Module):
+    """Parameters of unusual kinds: complex (torch's buckets hold them as real pairs) and
+    a strided view of a larger tensor (not contiguous)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Parameter(torch.randn(8, 4, dtype=torch.cfloat))
+        self.s = nn.Parameter(torch.randn(4, 16)[:, ::2])
+        self.fc = nn.Linear(4, 8)
+
+    def forward(self, x):
+        z = x.to(torch.cfloat) @ self.c
+        return self.fc(z.abs()) + z.real @ self.s
+
+
 MODELS = {"batchnorm": BatchNormNet, "tied": TiedNet, "frozen": FrozenNet,
           "branch": BranchNet, "deep": DeepNet,
-          "alias": AliasNet}
+          "alias": AliasNet, "odd": OddNet}
 
 
 def batch(name, rank, step, size=6):

@@ -103,9 +103,17 @@ def test_each_algorithm(algorithm, world_size, kwargs):
     _assert_ranks_equal(run_world(_train_both, world_size, name, 3, kwargs, ours))
 
 
-@pytest.mark.parametrize("name", ["batchnorm", "tied", "frozen"])
+@pytest.mark.parametrize("name", ["batchnorm", "tied", "frozen", "odd"])
 def test_models_two_ranks(name):
     _assert_ranks_equal(run_world(_train_both, 2, name))
+
+
+@pytest.mark.parametrize("ours, hook", [({"algorithm": "auto"}, None),
+                                        ({}, default_hooks.fp16_compress_hook)])
+def test_complex_and_strided_parameters_as_torch(ours, hook):
+    # auto times its candidates on the buckets, complex ones too; torch's fp16 hook
+    # compresses the bucket it is given, where a complex bucket's imaginary parts must be.
+    _assert_ranks_equal(run_world(_train_both, 2, "odd", 3, None, ours, hook))
 
 
 def test_rank_dependent_unused_branch():
@@ -192,3 +200,4 @@ def test_buffers_synced_where_torchs_are():
         names = ("reassigned", "added later", *[f"two forwards: {k}" for k in range(7)])
         for name, ours, torchs in zip(names, found["minddp"], found["torch"]):
             assert torch.equal(ours, torchs), f"rank {rank}, {name}: {ours}, torch {torchs}"
+

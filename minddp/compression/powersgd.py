@@ -30,6 +30,7 @@ import dataclasses
 import torch
 
 from minddp import registry
+from minddp.buckets import elements
 from minddp.reduction import OWN, dense, is_sparse, launch_sparse, setup_collective
 
 
@@ -107,9 +108,9 @@ class BucketState:
         for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
             if compress and worth_compressing(p.shape, r):
                 compressed.append(i)
-                shapes.append((offset, p.shape[0], p.numel() // p.shape[0]))
+                shapes.append((offset, p.shape[0], elements(p) // p.shape[0]))
             else:
-                sizes.append((offset, p.numel()))
+                sizes.append((offset, elements(p)))
         self.error = torch.zeros_like(buffer) if shapes else None
         self.p = buffer.new_empty(sum(n * r for _, n, _ in shapes))
         self.q = buffer.new_empty(sum(m * r for _, _, m in shapes))
