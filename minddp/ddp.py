@@ -649,14 +649,20 @@ class _Sink(torch.autograd.Function):
 
 
 def _through_sink(outputs, reducer_ref):
+    """`outputs` with every tensor in autograd's graph passed through the sink. An output
+    that is a parameter itself goes in too but comes back as it was (torch's rule): the
+    sink's backward then hands that parameter an undefined gradient, which counts as its
+    hook firing (static_graph counts it used; find_unused_parameters, having marked it
+    unused, raises that it was marked twice, as torch's DDP does)."""
     leaves, spec = pytree.tree_flatten(outputs)
     at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and
-          leaf.grad_fn is not None]
+          (leaf.grad_fn is not None or leaf.requires_grad)]
     if not at:
         return outputs
     passed = _Sink.apply(reducer_ref, *[leaves[i] for i in at])
     for i, tensor in zip(at, passed):
-        leaves[i] = tensor
+        if leaves[i].grad_fn is not None:
+            leaves[i] = tensor
     return pytree.tree_unflatten(leaves, spec)
 
 

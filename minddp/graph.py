@@ -24,12 +24,10 @@ def tensors_in(obj):
 
 def reached_parameters(outputs):
     """ids of the leaf tensors (parameters) that backward from `outputs` would reach."""
-    reached, seen, stack = set(), set(), []
-    for t in tensors_in(outputs):
-        if t.grad_fn is not None:
-            stack.append(t.grad_fn)
-        elif t.requires_grad:
-            reached.add(id(t))  # an output that is itself a parameter
+    reached, seen = set(), set()
+    # An output that is itself a parameter is not counted, as torch's reducer counts none:
+    # its gradient comes through the sink (ddp._through_sink).
+    stack = [t.grad_fn for t in tensors_in(outputs) if t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if node in seen:

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -201,3 +202,52 @@ def test_buffers_synced_where_torchs_are():
         for name, ours, torchs in zip(names, found["minddp"], found["torch"]):
             assert torch.equal(ours, torchs), f"rank {rank}, {name}: {ours}, torch {torchs}"
 
+
+class _WithLogVariance(nn.Module):
+    """A forward that returns one of its parameters as it is (a learned log-variance)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.log_var = nn.Linear(4, 4), nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return self.fc(x), self.log_var
+
+
+def _parameter_as_output(rank, world_size, kwargs, from_step):
+    """Each step's gradients (or the error's opening) under torch's DDP and minddp; the
+    returned parameter enters the loss from step `from_step` on."""
+    seen = []
+    for wrap in (TorchDDP, minddp.DDP):
+        torch.manual_seed(0)
+        ddp, steps = wrap(_WithLogVariance(), **kwargs), []
+        try:
+            for step in range(3):
+                x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+                y, log_var = ddp(x)
+                loss = (y.square() * torch.exp(-log_var) + log_var).sum() if step >= from_step \
+                    else y.square().sum()
+                loss.backward()
+                steps.append([None if p.grad is None else p.grad.clone()
+                              for p in ddp.parameters()])
+                ddp.zero_grad()
+        except RuntimeError as e:
+            steps.append(str(e).split(".")[0])
+        seen.append(steps)
+    return seen
+
+
+@pytest.mark.parametrize("kwargs, from_step", [
+    ({"find_unused_parameters": True}, 0),  # torch: marked unused, then its hook fires: error
+    ({"find_unused_parameters": True}, 1),
+    ({"static_graph": True}, 1)])            # torch: the sink's backward counts it used
+def test_a_parameter_returned_by_forward_as_torch(kwargs, from_step):
+    for rank, (theirs, ours) in enumerate(run_world(_parameter_as_output, 2, kwargs,
+                                                    from_step)):
+        assert len(ours) == len(theirs), f"rank {rank}: torch {theirs}, minddp {ours}"
+        for step, (a, b) in enumerate(zip(theirs, ours)):
+            if isinstance(a, str) or isinstance(b, str):
+                assert a == b, f"rank {rank} step {step}: torch {a!r}, minddp {b!r}"
+                continue
+            for g, h in zip(a, b):
+                assert (g is None) == (h is None) and (g is None or torch.equal(g, h)), step
