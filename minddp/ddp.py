@@ -35,7 +35,8 @@ from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_mo
 from minddp import python_reducer
 from minddp.reducer import Phase, Reducer
 from minddp.reduction import HookReduction, bucket_storage
-from minddp.replicas import DEFAULT_INTERVAL, ReplicaCheck, interval_of, keeps_replicas_apart
+from minddp.replicas import (DEFAULT_INTERVAL, ReplicaCheck, interval_of, keeps_replicas_apart,
+                             renormalised_in_forward)
 from minddp.timeline import align as align_clocks
 from minddp.timeline import from_environment
 
@@ -268,7 +269,8 @@ class DistributedDataParallel(TorchDDP):
             return None
         named = [(n, p) for n, p in self.module.named_parameters()
                  if n not in self.parameters_to_ignore]
-        return ReplicaCheck(named, self.engine, interval, rank, self.world_size)
+        return ReplicaCheck(named, self.engine, interval, rank, self.world_size,
+                            renormalised=renormalised_in_forward(self.module))
 
     def _planned_buckets(self, ready_times):
         """bucket_cap_mb="auto", once, on every rank together: measure the link as

@@ -142,10 +142,12 @@ class ReplicaCheck:
 
     `named`: (name, tensor) of everything compared, the same list on every
     rank; `engine`: the gradient group's communication engine (comm.py);
-    `interval`: synced steps between checks (positive).
+    `interval`: synced steps between checks (positive); `renormalised`: the
+    names of parameters the forward itself changes (the message names the cause).
     """
 
-    def __init__(self, named, engine, interval, rank, world_size):
+    def __init__(self, named, engine, interval, rank, world_size, renormalised=()):
+        self.renormalised = set(renormalised)  # names: renormalised_in_forward
         self.names = [n for n, _ in named]
         self.tensors = [t for _, t in named]
         self.engine, self.interval = engine, interval
@@ -208,6 +210,17 @@ class ReplicaCheck:
                  "This is the first check: they started from different weights (with "
                  "init_sync=False every rank must build identical weights, e.g. from one seed) "
                  "or changed on some ranks before it")
+        layer = [self.names[i] for i in differing if self.names[i] in self.renormalised]
+        if layer:
+            return (
+                f"minddp (rank {self.rank}): replicas diverged at synced step #{step}: "
+                f"parameter '{layer[0]}' is the weight of an nn.Embedding (or EmbeddingBag) "
+                f"with max_norm, which the forward renormalises in place, in the rows each "
+                f"rank looked up: its ranks part by the layer's design (under torch's DDP "
+                f"they part too, silently). Ranks grouped by value: {split}. Fix: "
+                f"max_norm=None (renormalise every row after the optimizer step, on every "
+                f"rank, if the norm bound matters), or check_replicas=0 to train with the "
+                f"replicas apart.")
         return (
             f"minddp (rank {self.rank}): replicas diverged at synced step #{step}: parameter "
             f"'{self.names[first]}' is not bit for bit equal on every rank. Ranks that agree "
@@ -233,6 +246,15 @@ class ReplicaCheck:
             f"(averaged as usual). check_replicas=N sets how many synced steps apart the "
             f"check runs "
             f"(0 turns it off).")
+
+
+def renormalised_in_forward(module):
+    """Names of the parameters `module`'s forward changes in place, differently on each
+    rank: the weights of embeddings with max_norm (each rank renormalises the rows its
+    batch looked up)."""
+    return [f"{name}.weight" if name else "weight" for name, m in module.named_modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+            and m.max_norm is not None]
 
 
 def _list(ranks):

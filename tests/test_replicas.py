@@ -308,3 +308,23 @@ def test_local_sgd_hook_turns_the_check_off():
     for theirs, ours in results:
         assert all(torch.equal(a, b) for a, b in zip(theirs, ours))
     assert not torch.equal(results[0][1][0], results[1][1][0])  # the ranks did part
+
+
+def _embedding_with_max_norm(rank, world_size):
+    """nn.Embedding(max_norm=...) renormalises, inside forward, the rows each rank looked up."""
+    torch.manual_seed(0)
+    ddp = minddp.DDP(torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=0.5),
+                                         torch.nn.Linear(4, 1)), check_replicas=1)
+    try:
+        for step in range(3):
+            ddp(torch.tensor([rank * 5 + step])).sum().backward()
+    except replicas.ReplicasDiverged as e:
+        return step, str(e)
+    return None, "no error"
+
+
+def test_an_embedding_with_max_norm_is_named_as_the_cause():
+    step, message = _same_error_everywhere(run_world(_embedding_with_max_norm, 2))
+    assert step == 0, message  # the first forward renormalised; the first check sees it
+    for words in ("'0.weight'", "nn.Embedding", "max_norm", "renormalises", "check_replicas=0"):
+        assert words in message, (words, message)
