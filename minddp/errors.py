@@ -2,7 +2,9 @@
 
     first_line(exc)                 an exception's first line, for a "Cause: ..." clause
     invariant(holds, what_breaks)   minddp's TORCH_INTERNAL_ASSERT
+    warn_as_reducer(message, rank)  a warning where torch's C++ reducer gives one
 """
+import sys
 
 
 def first_line(exc):
@@ -22,3 +24,11 @@ def invariant(holds, what_breaks):
     if not holds:
         raise RuntimeError(f"minddp internal error (a bug in minddp, not in your code; "
                            f"please report it): {what_breaks}")
+
+
+def warn_as_reducer(message, rank):
+    """Print `message` on stderr, as torch's C++ reducer prints its warnings (TORCH_WARN
+    from code that Python's warning machinery never sees): not a Python warning, so
+    `-W error` or pytest's `filterwarnings = error` cannot turn it into an exception
+    where torch's DDP would only print."""
+    print(f"[rank{rank}]: minddp reducer: Warning: {message}", file=sys.stderr, flush=True)

@@ -53,13 +53,12 @@ what would have gone wrong. Per bucket or per backward, never per gradient.
     stamp back    a stamp bucket 0 carried comes back with its sum (step_check.py)
 """
 import enum
-import warnings
 import weakref
 
 import torch
 
 from minddp import readiness
-from minddp.errors import first_line, invariant
+from minddp.errors import first_line, invariant, warn_as_reducer
 from minddp.grad_bucket import GradBucket
 from minddp.graph import reached_parameters
 from minddp.overlap import PLAN_AT, Recorder
@@ -198,7 +197,7 @@ class Reducer:
             reached = reached_parameters(outputs)
             self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
             if not self._unused:
-                _warn_nothing_unused()
+                _warn_nothing_unused(self.rank)
 
     def _rebuild_buckets(self):
         """torch's private call before a forward: raise if the previous backward did
@@ -713,9 +712,11 @@ class Reducer:
     def _warn_create_graph(self):
         if not self._warned_create_graph:
             self._warned_create_graph = True
-            warnings.warn("minddp: backward(create_graph=True): the gradients are averaged, "
-                          "but the higher-order gradient is not synchronised across ranks "
-                          "(as with torch's DDP).", stacklevel=3)
+            warn_as_reducer(
+                "Using DistributedDataParallel with create_graph=True is not well-supported. "
+                "The higher-order gradient will not be synchronized across ranks, and "
+                "backpropagation through all_reduce operations will not occur (torch's "
+                "words; minddp's DDP averages the gradients as torch's does).", self.rank)
 
     # -- join and clean-up -------------------------------------------------------
     def shadow_backward(self):
@@ -795,20 +796,20 @@ class Reducer:
 _warned_nothing_unused = False
 
 
-def _warn_nothing_unused():
+def _warn_nothing_unused(rank):
     """torch's hint, once a process as torch's TORCH_WARN_ONCE gives it: the search for
     unused parameters found none."""
     global _warned_nothing_unused
     if not _warned_nothing_unused:
         _warned_nothing_unused = True
-        warnings.warn(
+        warn_as_reducer(
             "find_unused_parameters=True was specified in DDP constructor, but did not find "
             "any unused parameters in the forward pass. This flag results in an extra "
             "traversal of the autograd graph every iteration,  which can adversely affect "
             "performance. If your model indeed never has any unused parameters in the forward "
             "pass, consider turning this flag off. Note that this warning may be a false "
             "positive if your model has flow control causing later iterations to have unused "
-            "parameters.", stacklevel=2)
+            "parameters.", rank)
 
 
 def _callbacks(reducer):
