@@ -65,24 +65,42 @@ def future_on(device=None):
                                 device.type == "cuda" else None)
 
 
-def engine_for(group, timeout=None, device=None):
-    """The engine (and gradient group) for `group`'s ranks, made on first use.
-
-    The first call for a set of ranks is a collective over them (it creates
-    process groups): every rank of `group` makes it at the same point of its
-    program, from its main thread. Later calls find the same engine on every
-    rank. `timeout` (a timedelta, seconds, or None for `group`'s own) bounds
-    every wait on a peer. `device`: where the gradients live; a CUDA device is
-    the one the thread works on, and the one NCCL's collectives use, whatever
-    device is current in the caller (torch's DDP follows its parameters too).
-    """
+def _key(group, timeout, device):
+    """(the engine's key in _engines, the timeout as a timedelta)."""
     timeout = timeout if timeout is not None else lanes.timeout_of(group)
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     cuda = device if device is not None and device.type == "cuda" else None
     ranks = tuple(dist.get_process_group_ranks(group))
-    key = (ranks, str(dist.get_backend(group)), timeout, cuda)
+    return (ranks, str(dist.get_backend(group)), timeout, cuda), timeout
+
+
+def failed_engine(group, timeout=None, device=None):
+    """Whether this rank's engine for `group` (engine_for's arguments) stopped after an
+    error: its gradient group may hold collectives its peers never matched."""
+    engine = _engines.get(_key(group, timeout, device)[0])
+    return engine is not None and engine.failed()
+
+
+def engine_for(group, timeout=None, device=None, renew=False):
+    """The engine (and gradient group) for `group`'s ranks, made on first use.
+
+    The first call for a set of ranks is a collective over them (it creates
+    process groups): every rank of `group` makes it at the same point of its
+    program, from its main thread. Later calls find the same engine on every
+    rank; `renew=True`, which every rank must pass alike, makes a new one (after
+    an error: failed_engine). `timeout` (a timedelta, seconds, or None for
+    `group`'s own) bounds every wait on a peer. `device`: where the gradients
+    live; a CUDA device is the one the thread works on, and the one NCCL's
+    collectives use, whatever device is current in the caller (torch's DDP
+    follows its parameters too).
+    """
+    key, timeout = _key(group, timeout, device)
+    ranks, cuda = key[0], key[3]
     engine = _engines.get(key)
+    if engine is not None and renew:
+        engine.stop_new_jobs("minddp: a newer engine replaced this one")
+        engine = None  # its thread may be stuck in a collective: left to the timeout
     if engine is None or not engine.alive():
         groups = [dist.new_group(list(ranks), backend=dist.get_backend(group), timeout=timeout,
                                  use_local_synchronization=group is not dist.group.WORLD)
@@ -128,6 +146,9 @@ class CommEngine:
 
     def alive(self):
         return self._thread.is_alive()
+
+    def failed(self):
+        return self._error is not None
 
     def submit(self, job, *args, label="job", device=None, timeline=None):
         """Queue `job(*args)`; return a Future of its result.

@@ -202,12 +202,16 @@ class DistributedDataParallel(TorchDDP):
         turns into an error here (within the group's timeout), not a hang.
         """
         try:
+            renew = False  # init_sync=False: no collective to agree on a new engine in
             if init_sync:
-                check_same_model(named, settings, self.process_group)
+                # An engine stopped by an earlier wrapper's error is replaced, on every rank
+                # at once: as under torch's DDP, a new wrapper over healthy ranks trains.
+                renew = check_same_model(named, settings, self.process_group, comm.failed_engine(
+                    self.process_group, self._timeout, self.device))
                 broadcast_from_first([p.data for p in self._parameters_to_sync()] +
                                      (self.modules_buffers if sync_buffers else []),
                                      self.process_group)
-            self.engine = comm.engine_for(self.process_group, self._timeout, self.device)
+            self.engine = comm.engine_for(self.process_group, self._timeout, self.device, renew)
         except ModelMismatch:
             raise
         except Exception as e:

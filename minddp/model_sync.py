@@ -34,11 +34,14 @@ def _show(param):
     return f"'{name}' of shape {list(shape)} and dtype {dtype}"
 
 
-def check_same_model(named_params, settings, group):
-    """Raise the same ModelMismatch on every rank if any rank's model or settings differ."""
+def check_same_model(named_params, settings, group, failed=False):
+    """Raise the same ModelMismatch on every rank if any rank's model or settings differ.
+    Returns whether any rank passed `failed` (its communication engine stopped after an
+    error: then every rank makes a new one, comm.engine_for(renew=True))."""
     me = dist.get_rank(group)
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, describe(named_params, settings), group=group)
+    dist.all_gather_object(everyone, {**describe(named_params, settings), "failed": failed},
+                           group=group)
     ref = everyone[0]
     for other, desc in enumerate(everyone[1:], start=1):
         if desc["params"] != ref["params"]:
@@ -55,6 +58,7 @@ def check_same_model(named_params, settings, group):
                                                   desc["settings"].get(k), other) for k in diff)
             raise ModelMismatch(f"minddp (rank {me}): ranks disagree on the wrapper's settings: "
                              f"{shown}. Pass the same arguments on every rank.")
+    return any(desc["failed"] for desc in everyone)
 
 
 def shapes(named, ignored):

@@ -110,6 +110,26 @@ def test_a_registered_algorithm_runs_in_all_reduce_the_wrapper_and_auto():
         assert all(g is not None for g in grads)
 
 
+def _a_new_wrapper_after_a_broken_algorithm(rank, world_size):
+    @minddp.register_algorithm("broken", auto=False)
+    def broken(tensor, pg):  # a researcher's algorithm with a bug: fails on every rank
+        raise ValueError("a bug in the algorithm")
+
+    ddp = minddp.DDP(torch.nn.Linear(4, 2), algorithm="broken")
+    with pytest.raises(RuntimeError, match="a bug in the algorithm"):
+        ddp(torch.ones(3, 4)).sum().backward()
+    fixed = torch.nn.Linear(4, 2)  # as under torch's DDP, a new wrapper trains
+    ddp = minddp.DDP(fixed, algorithm="ring")
+    ddp(torch.full((3, 4), rank + 1.0)).sum().backward()
+    return [p.grad for p in fixed.parameters()]
+
+
+def test_a_new_wrapper_trains_after_an_algorithm_failed():
+    grads = run_world(_a_new_wrapper_after_a_broken_algorithm, 2)
+    assert all(torch.equal(a, b) for a, b in zip(*grads)), "the ranks' gradients differ"
+    assert torch.equal(grads[0][0], torch.full((2, 4), 4.5))  # the mean of 3 and 6
+
+
 # Where names must not be compared: the reducer, the wrapper, the seam and the
 # algorithms' shared code (registry.py is where names are looked up).
 NO_NAMES = ["minddp/ddp.py", "minddp/reducer.py", "minddp/reduction.py", "minddp/arguments.py",
