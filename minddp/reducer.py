@@ -171,8 +171,9 @@ class Reducer:
         torch's DDP). O(parameters), so only where a synced forward had no backward."""
         for index, param in enumerate(self.params):
             bucket = self._where[index][0]
-            if not bucket.sparse and (param.dtype, param.device) != (bucket.buffer.dtype,
-                                                                     bucket.buffer.device):
+            # (a complex parameter's bucket holds real numbers: buckets.py)
+            if not bucket.sparse and (param.dtype.to_real(), param.device) != (
+                    bucket.buffer.dtype, bucket.buffer.device):
                 self._break(
                     f"minddp (rank {self.rank}): parameter '{self.names[index]}' is "
                     f"{param.dtype} on {param.device} but was {bucket.buffer.dtype} on "

@@ -203,6 +203,20 @@ def test_buffers_synced_where_torchs_are():
             assert torch.equal(ours, torchs), f"rank {rank}, {name}: {ours}, torch {torchs}"
 
 
+def _forward_without_backward(rank, world_size):
+    """A synced forward with no backward (validation with gradients on) makes the next
+    forward look for parameters whose dtype changed since wrapping: a complex one has not."""
+    ddp = minddp.DDP(MODELS["odd"]())
+    ddp(*batch("odd", rank, 0))
+    ddp(*batch("odd", rank, 1)).abs().sum().backward()
+    return [p.grad for p in ddp.parameters()]
+
+
+def test_a_complex_parameter_is_not_taken_for_a_converted_one():
+    grads = run_world(_forward_without_backward, 2)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 class _WithLogVariance(nn.Module):
     """A forward that returns one of its parameters as it is (a learned log-variance)."""
 
