@@ -34,6 +34,7 @@ class PeerProgress:
     def __init__(self, group, name):
         """`name`: the same on every rank for one wrapper, different for others."""
         self.rank = dist.get_rank(group)
+        self._global = dist.get_process_group_ranks(group)  # a subgroup's ranks, as torchrun
         world_size = dist.get_world_size(group)
         self.peers = [r for r in range(world_size) if r != self.rank]
         self.neighbour = (self.rank + 1) % world_size
@@ -44,6 +45,12 @@ class PeerProgress:
             self.store = dist.PrefixStore(f"minddp/{name}/", store)
         except Exception:  # noqa: BLE001 - no store (a custom init): diagnosis is best effort
             self.store = None
+
+    def named(self, rank):
+        """'rank R' for the group's rank R: the global rank, which launchers' logs show, with
+        the group's own where they differ (a wrapper over a subgroup)."""
+        world = self._global[rank]
+        return f"rank {rank}" if world == rank else f"rank {world} ({rank} in the wrapper's group)"
 
     def entered(self, iteration, kind):
         """This rank has begun the backward of `iteration`, reducing it by `kind`."""
@@ -58,7 +65,7 @@ class PeerProgress:
         """Tell the peers this rank will not finish its current iteration."""
         if self.store is not None and self.peers:
             try:
-                self.store.set("abandoned", f"rank {self.rank} {why}")
+                self.store.set("abandoned", f"{self.named(self.rank)} {why}")
             except Exception:  # noqa: BLE001 - the store's host is gone: nobody to tell
                 pass
 
@@ -113,10 +120,10 @@ class PeerProgress:
         self._compared = self.iteration
         if entry[1] == self.kind:
             return None
-        return (f"rank {self.neighbour} reduces iteration {self.iteration}'s buckets with "
-                f"{entry[1]}, rank {self.rank} with {self.kind}: their collectives never "
-                f"pair. Every rank must call register_comm_hook (the same hook) before the "
-                f"same iteration, or none")
+        return (f"{self.named(self.neighbour)} reduces iteration {self.iteration}'s buckets "
+                f"with {entry[1]}, {self.named(self.rank)} with {self.kind}: their "
+                f"collectives never pair. Every rank must call register_comm_hook (the same "
+                f"hook) before the same iteration, or none")
 
     def behind(self, iteration):
         """Peers whose last published iteration is earlier than `iteration`, as
@@ -144,6 +151,7 @@ class PeerProgress:
             return (f"every peer reached iteration {iteration}; one of them failed or stalled "
                     f"inside it (see its own error)")
         return "waiting for " + ", ".join(
-            f"rank {peer} (last entered iteration {seen})" if seen is not None else
-            f"rank {peer} (never entered a backward)" for peer, seen in sorted(late.items())) + \
+            f"{self.named(peer)} (last entered iteration {seen})" if seen is not None else
+            f"{self.named(peer)} (never entered a backward)"
+            for peer, seen in sorted(late.items())) + \
             f", while this rank is in iteration {iteration}: dead or stuck"

@@ -127,3 +127,29 @@ def test_a_comm_hook_on_one_rank_only_fails_every_rank_at_once(tmp_path):
         assert elapsed < timeout / 2, f"rank {rank} waited {elapsed:.1f}s: the timeout's error"
         assert "a communication hook" in error and "minddp's own reduction" in error, error
         assert "register_comm_hook" in error, error
+
+
+def _dead_peer_in_a_subgroup(rank, world_size, meeting):
+    """A wrapper over global ranks 1 and 2 (ranks 0 and 1 of its group); rank 2 dies."""
+    group = torch.distributed.new_group([1, 2])
+    if rank == 0:
+        _wait_for_survivors(rank, 2, meeting)
+        return None
+    ddp = minddp.DDP(DeepNet(), process_group=group, timeout=TIMEOUT)
+    ddp(*batch("deep", rank, 0)).sum().backward()
+    out = ddp(*batch("deep", rank, 1))
+    if rank == 2:
+        _die()
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        _wait_for_survivors(rank, 2, meeting)
+        return str(e)
+    return "no error"
+
+
+def test_a_dead_peer_in_a_subgroup_is_named_by_its_global_rank(tmp_path):
+    error = run_world(_dead_peer_in_a_subgroup, 3, str(tmp_path), timeout=60,
+                      expect_dead=(2,))[1]
+    assert "waiting for rank 2 (1 in the wrapper's group) (last entered iteration 0)" in error, \
+        error
