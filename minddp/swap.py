@@ -40,6 +40,12 @@ class _AnsweringAsTorchs(type(ddp.DistributedDataParallel)):  # torch DDP is Joi
     def __instancecheck__(cls, obj):
         return ddp.TorchDDP in type(obj).__mro__
 
+    def __setattr__(cls, name, value):
+        # Code that marks the DDP whose module runs (`DistributedDataParallel.
+        # _active_ddp_module = self`, as torch's own FakeDDP test helper does) through the
+        # rebound name must reach torch's class, where dynamo's DDPOptimizer reads it.
+        type.__setattr__(ddp.TorchDDP if name == "_active_ddp_module" else cls, name, value)
+
 
 class DistributedDataParallel(ddp.DistributedDataParallel, metaclass=_AnsweringAsTorchs):
     """minddp's wrapper with the keywords given to the active replace_torch_ddp()

@@ -220,6 +220,36 @@ def test_replace_torch_ddp_reaches_every_name_of_torchs_class():
     assert kinds[3:] == ["torch.nn.parallel.distributed"] * 2, kinds
 
 
+def _marked_active_through_the_name(rank, world_size):
+    """Code that marks the running DDP through the public name, as torch's FakeDDP test
+    helper does: dynamo's DDPOptimizer, which reads torch's class, must see the mark."""
+    class Halves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(512, 512), nn.Linear(512, 512)  # 1 MiB each
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    class Marker(nn.Module):
+        bucket_bytes_cap = 1024 * 1024
+
+    graphs = []
+    with minddp.replace_torch_ddp():
+        compiled = torch.compile(Halves(), backend=lambda gm, inputs: graphs.append(gm) or gm)
+        torch._dynamo.config.optimize_ddp = True
+        torch.nn.parallel.DistributedDataParallel._active_ddp_module = Marker()
+        try:
+            compiled(torch.randn(4, 512))
+        finally:
+            torch.nn.parallel.DistributedDataParallel._active_ddp_module = None
+    return len(graphs)
+
+
+def test_the_active_ddp_marked_through_the_swapped_name_reaches_dynamo():
+    assert run_world(_marked_active_through_the_name, 1) == [2]  # cut at the bucket's end
+
+
 class _LoadsOnAnyAttribute(types.ModuleType):
     """A lazily loaded module: any attribute read would import it (here: fail)."""
 
