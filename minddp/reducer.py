@@ -134,6 +134,8 @@ class Reducer:
         self._unused = []            # parameters the forward's outputs cannot reach
         self._static_counts = None   # static_graph: gradients per parameter per iteration
         self._global_used = None     # static_graph: the first iteration's used map
+        self._used_reduced = None    # the latest summed used map (a list), once waited for
+        self._joined_used = None     # what this rank, joined, adds to the peers' used maps
         self._warned_create_graph = False
         self.phase = Phase.IDLE
 
@@ -279,7 +281,7 @@ class Reducer:
         self._futures = [None] * len(self.buckets)
         self._filled = [False] * len(self.buckets)  # gradients copied in (_fill)
         self._next = 0  # the next bucket to launch: every one before it has
-        self._used_future = self._used_reduced = None
+        self._used_future = self._used_reduced = self._joined_used = None
         self.step_check.stamp(self.forwards, self.buckets, self.reduction)
         self._replica_future = None  # launched at finalize (replicas.py)
         self._measuring = self.recorder is not None and self.recorder.measuring(self.forwards)
@@ -733,13 +735,24 @@ class Reducer:
         step = self.step_check.shadow(self.buckets, self.reduction)
         futures = [step] if step is not None else []
         futures += [self._launch(b) for b in range(len(self.buckets))]
+        used = None
         if self.find_unused or self.in_first_static_iteration:
-            futures.append(self.count_used(torch.zeros_like(self.local_used)))
+            # As torch's joined rank: its map as the last sum left it (the step it trained
+            # last, then each step it shadows), not zeros; so a parameter used then counts
+            # as used (a zero .grad, not None) in the peers' later steps.
+            if self._joined_used is None:
+                self._joined_used = (torch.zeros_like(self.local_used) if
+                                     self._used_reduced is None else
+                                     torch.tensor(self._used_reduced, dtype=torch.int32))
+            used = self.count_used(self._joined_used)
         # Where the training ranks queue it (finalize): behind the buckets and the map.
         replica = (self.replicas.launch(self.forwards, present=False)  # not compared
                    if self.replicas is not None else None)
         for future in futures:
             self._wait(future, "the buckets (joined rank, zeros)")
+        if used is not None:
+            summed = self._wait(used, "the used-parameter map (joined rank)", BACKEND)
+            self._joined_used = (summed[0] if isinstance(summed, list) else summed).clone()
         if replica is not None:  # the training ranks raise on a mismatch: so does this one
             self.replicas.verify(self._wait(replica, "the replica check", BACKEND), self.forwards)
         self._plan_if_due()  # the other ranks plan at this step: take part

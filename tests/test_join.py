@@ -101,6 +101,48 @@ def test_uneven_inputs_buffers_come_from_the_rank_torch_picks(broadcast_buffers)
             assert torch.equal(a, b), f"rank {rank}: tensor {i} differs from torch DDP's"
 
 
+class _SometimesC(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x, use_c):
+        return self.a(x).sum(1) + (self.c(x).sum(1) if use_c else 0)
+
+
+def _unused_after_a_peer_joined(rank, world_size):
+    """find_unused_parameters: rank 1 joins after one step, in which both ranks used c;
+    rank 0 never uses c again. Each step's c.grad (None or zeros), and c at the end."""
+    seen = []
+    for wrap in (torch.nn.parallel.DistributedDataParallel, minddp.DDP):
+        torch.manual_seed(0)
+        model = _SometimesC()
+        ddp = wrap(model, find_unused_parameters=True)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        grads = []
+        with ddp.join():
+            for step in range(4 if rank == 0 else 1):
+                ddp(torch.ones(2, 4) * (rank + 1), step == 0).sum().backward()
+                grads.append(None if model.c.weight.grad is None else
+                             model.c.weight.grad.clone())
+                opt.step()
+                opt.zero_grad()
+        seen.append((grads, model.c.weight.detach().clone()))
+    return seen
+
+
+def test_a_parameter_unused_after_a_peer_joined_gets_torchs_gradient():
+    # torch's joined rank adds its last summed used map, not zeros: c counts as used (a
+    # zero .grad, which momentum acts on) where no training rank used it.
+    for rank, ((their_grads, theirs), (our_grads, ours)) in enumerate(
+            run_world(_unused_after_a_peer_joined, 2, timeout=60)):
+        assert len(our_grads) == len(their_grads)
+        for step, (a, b) in enumerate(zip(their_grads, our_grads)):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), \
+                f"rank {rank} step {step}: torch {a}, minddp {b}"
+        assert torch.equal(ours, theirs), f"rank {rank}: c differs from torch DDP's"
+
+
 def _exhausted_message(rank, world_size, wrap):
     model = wrap(torch.nn.Linear(2, 2))
     try:
