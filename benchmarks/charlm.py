@@ -130,6 +130,6 @@ def validation(batches=8, batch_size=16, seq_len=128, label=None):
     return out
 
 
-def mlp_validation():
-    """As many held-out bytes as CharLM's validation scores (8 x 16 x 128)."""
-    return validation(batches=8, batch_size=2048, seq_len=CONTEXT, label=_last)
+def mlp_validation(batches=8):
+    """As many held-out bytes per batch as CharLM's validation scores (16 x 128)."""
+    return validation(batches=batches, batch_size=2048, seq_len=CONTEXT, label=_last)

@@ -60,6 +60,8 @@ def parse_args(argv=None):
                    help=f"comma-separated, from {list(CONFIGS)} (no_comm has no gradient sync)")
     p.add_argument("--steps", type=int, default=120, help="training steps per configuration")
     p.add_argument("--eval-every", type=int, default=10, help="steps between validations")
+    p.add_argument("--val-batches", type=int, default=8,
+                   help="held-out batches each validation scores (the same on every rank)")
     p.add_argument("--target", type=float, default=None,
                    help="validation loss to reach (default: torch DDP's final loss plus "
                         f"{TARGET_SLACK * 100:g}%%; without a torch_ddp row, the highest of the "
@@ -124,7 +126,7 @@ def run(args, rank, world_size, device):
               f"rank, interleaved; torch {torch.__version__}", flush=True)
     configs = [c for c in build_configs(workload, names, device, args.bucket_cap_mb,
                                         optimizer=_adamw(args.lr)) if c.absent is None]
-    held_out = VALIDATION[args.workload]()
+    held_out = VALIDATION[args.workload](args.val_batches)
     times = {c.name: [] for c in configs}  # ms per step
     curves = {c.name: [] for c in configs}  # (step, wall seconds so far, validation loss)
     for config in configs:

@@ -47,6 +47,7 @@ def _time_to_loss(rank, world_size, out):
     import torch
     from benchmarks import time_to_loss
     args = time_to_loss.parse_args(["--steps", "3", "--eval-every", "1", "--batch-size", "2",
+                                    "--val-batches", "1",
                                     "--configs", "torch_ddp,minddp_ring_powersgd",
                                     "--out", out])
     return time_to_loss.run(args, rank, world_size, torch.device("cpu"))
