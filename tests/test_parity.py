@@ -251,17 +251,24 @@ def _parameter_as_output(rank, world_size, kwargs, from_step):
     return seen
 
 
-@pytest.mark.parametrize("kwargs, from_step", [
-    ({"find_unused_parameters": True}, 0),  # torch: marked unused, then its hook fires: error
-    ({"find_unused_parameters": True}, 1),
-    ({"static_graph": True}, 1)])            # torch: the sink's backward counts it used
-def test_a_parameter_returned_by_forward_as_torch(kwargs, from_step):
-    for rank, (theirs, ours) in enumerate(run_world(_parameter_as_output, 2, kwargs,
-                                                    from_step)):
-        assert len(ours) == len(theirs), f"rank {rank}: torch {theirs}, minddp {ours}"
-        for step, (a, b) in enumerate(zip(theirs, ours)):
-            if isinstance(a, str) or isinstance(b, str):
-                assert a == b, f"rank {rank} step {step}: torch {a!r}, minddp {b!r}"
-                continue
-            for g, h in zip(a, b):
-                assert (g is None) == (h is None) and (g is None or torch.equal(g, h)), step
+_RETURNED = [({"find_unused_parameters": True}, 0),  # torch: marked unused, its hook fires: error
+             ({"find_unused_parameters": True}, 1),
+             ({"static_graph": True}, 1)]            # torch: the sink's backward counts it used
+
+
+def _parameter_as_output_each_way(rank, world_size):
+    return [_parameter_as_output(rank, world_size, *case) for case in _RETURNED]
+
+
+def test_a_parameter_returned_by_forward_as_torch():
+    for rank, cases in enumerate(run_world(_parameter_as_output_each_way, 2)):
+        for (kwargs, from_step), (theirs, ours) in zip(_RETURNED, cases):
+            where = f"rank {rank}, {kwargs}, from step {from_step}"
+            assert len(ours) == len(theirs), f"{where}: torch {theirs}, minddp {ours}"
+            for step, (a, b) in enumerate(zip(theirs, ours)):
+                if isinstance(a, str) or isinstance(b, str):
+                    assert a == b, f"{where}, step {step}: torch {a!r}, minddp {b!r}"
+                    continue
+                for g, h in zip(a, b):
+                    assert (g is None) == (h is None) and (g is None or torch.equal(g, h)), \
+                        f"{where}, step {step}"
