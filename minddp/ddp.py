@@ -126,6 +126,11 @@ class DistributedDataParallel(TorchDDP):
                 f"({type(module).__module__}.{type(module).__qualname__}); wrapping it again "
                 f"would reduce every gradient twice. Wrap the bare model (its .module) once.")
         named = self._trainable(module)
+        self.bucket_bytes_cap_default = bucket_cap_mb is None  # torch's attributes, as torch
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params  # sets them
+        self.batched_grad_copy, self.mixed_precision = batched_grad_copy, mixed_precision
+        self.is_multi_device_module = False  # refused below: a bucket is on one device
+        self.broadcast_bucket_size = 250 * 1024 * 1024
         bucket_cap_mb = 25 if bucket_cap_mb is None else bucket_cap_mb
         arguments.check_arguments(named, rank, device_ids, output_device, bucket_cap_mb,
                                   bucket_cap_mb_list, algorithm, compression)
@@ -468,9 +473,7 @@ class DistributedDataParallel(TorchDDP):
         except (TypeError, ValueError) as e:
             self.logger.set_error_and_log(f"{type(e)}: {e}")
             raise
-        if isinstance(self.reducer.reduction, HookReduction):
-            self._log_and_throw(RuntimeError, "register_comm_hook or register_builtin_comm_hook "
-                                "can only be called once.")
+        self._refuse_second_hook("register_comm_hook", "register_builtin_comm_hook")
         if self._use_python_reducer:  # torch's fails at backward, in the hook
             self._log_and_throw(NotImplementedError, (
                 f"minddp (rank {self.reducer.rank}): comm hooks do not run under "
@@ -488,9 +491,10 @@ class DistributedDataParallel(TorchDDP):
         """torch's C++ built-in hooks, as the Python hooks that do the same."""
         hooks = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
                  dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
-        if comm_hook_type not in hooks:
-            raise ValueError(f"minddp: unknown built-in comm hook {comm_hook_type!r}; choose "
-                             f"one of {list(hooks)}.")
+        if comm_hook_type not in hooks:  # torch's binding refuses the argument's type
+            raise TypeError(f"_register_builtin_comm_hook(): incompatible function arguments: "
+                            f"{comm_hook_type!r}; pass one of {list(hooks)} (minddp).")
+        self._refuse_second_hook("register_builtin_comm_hook", "register_comm_hook")
         self.register_comm_hook(self.process_group, hooks[comm_hook_type])
         self.reducer.reduction.name = str(comm_hook_type)
         self.logger._set_comm_hook_name(str(comm_hook_type))
@@ -515,6 +519,14 @@ class DistributedDataParallel(TorchDDP):
             self.logger.set_sample_rate(sample_rate)
         except ValueError as e:
             self._log_and_throw(ValueError, str(e))
+
+    def _refuse_second_hook(self, called, other):
+        """torch's reducer takes one hook; its message (logged as it is: torch's C++ check
+        logs no type) names the method called second."""
+        if isinstance(self.reducer.reduction, HookReduction):
+            message = f"{called} or {other} can only be called once."
+            self.logger.set_error_and_log(message)
+            raise RuntimeError(message)
 
     def _log_and_throw(self, err_type, err_msg):
         """Note the error in the logging data, then raise it (torch's helper)."""
@@ -633,7 +645,7 @@ for _name in _TORCH_PRIVATE_NOT_PROVIDED:
     setattr(DistributedDataParallel, _name, _not_provided(_name))
 
 
-class _Sink(torch.autograd.Function):
+class _DDPSink(torch.autograd.Function):
     """The wrapper's outputs pass through here when it needs to see backward
     start (static_graph) or undefined gradients reach the parameters behind an
     output the loss ignores (find_unused_parameters), as torch's _DDPSink does."""
@@ -665,7 +677,7 @@ def _through_sink(outputs, reducer_ref):
           (leaf.grad_fn is not None or leaf.requires_grad)]
     if not at:
         return outputs
-    passed = _Sink.apply(reducer_ref, *[leaves[i] for i in at])
+    passed = _DDPSink.apply(reducer_ref, *[leaves[i] for i in at])
     for i, tensor in zip(at, passed):
         if leaves[i].grad_fn is not None:
             leaves[i] = tensor

@@ -49,6 +49,6 @@ class GradBucket:
         casts the hook's result back to the bucket's dtype."""
         buffer = self._bucket.buffer
         if tensor.numel() != buffer.numel():
-            raise ValueError(f"minddp: set_buffer got {tensor.numel()} elements for bucket "
+            raise RuntimeError(f"minddp: set_buffer got {tensor.numel()} elements for bucket "
                              f"{self.index()} of {buffer.numel()}")
         self._replaced = tensor

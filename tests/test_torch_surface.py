@@ -494,3 +494,52 @@ def test_ddp_over_the_data_parallel_slice_of_a_mesh_as_torch():
         assert len(ours) == len(theirs) == 4
         for a, b in zip(theirs, ours):
             assert type(a) is type(b) and torch.equal(a, b), f"rank {rank}"
+
+
+def _small_surface(rank, world_size):
+    """What a script reads or gets from each wrapper: torch's attributes, the errors of a
+    second hook (in each order), of a built-in hook's wrong argument and of set_buffer."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def builtin(d):
+        d._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+
+    def hook(d):
+        d.register_comm_hook(None, default_hooks.allreduce_hook)
+
+    def wrong_size(state, bucket):
+        bucket.set_buffer(torch.zeros(bucket.buffer().numel() + 1))
+
+    seen = []
+    for wrap in (TorchDDP, minddp.DDP):
+        d = wrap(nn.Linear(2, 2))
+        out = {name: getattr(d, name) for name in (
+            "mixed_precision", "is_multi_device_module", "broadcast_bucket_size",
+            "bucket_bytes_cap_default", "skip_all_reduce_unused_params", "batched_grad_copy")}
+        for first, second in ((hook, hook), (hook, builtin), (builtin, hook), (builtin, builtin)):
+            d = wrap(nn.Linear(2, 2))
+            first(d)
+            try:
+                second(d)
+            except RuntimeError as e:
+                out[(first.__name__, second.__name__)] = str(e).splitlines()[0]
+        try:
+            wrap(nn.Linear(2, 2))._register_builtin_comm_hook("ALLREDUCE")
+        except TypeError:
+            out["builtin by name"] = "TypeError"
+        out["sink"] = type(wrap(nn.Linear(2, 2), static_graph=True)(torch.ones(1, 2)).grad_fn)
+        out["sink"] = out["sink"].__name__
+        seen.append(out)
+    d = minddp.DDP(nn.Linear(2, 2))  # torch's raises RuntimeError or crashes, by the size
+    d.register_comm_hook(None, wrong_size)
+    try:
+        d(torch.ones(1, 2)).sum().backward()
+    except RuntimeError as e:
+        seen.append(str(e))
+    return seen
+
+
+def test_small_surface_as_torch():
+    theirs, ours, wrong_size = run_world(_small_surface, 1)[0]
+    assert ours == theirs
+    assert "set_buffer got 7 elements for bucket 0 of 6" in wrong_size, wrong_size
