@@ -6,9 +6,10 @@ these methods, so the names and meanings follow torch's.
 
 
 class GradBucket:
-    def __init__(self, bucket, is_last):
+    def __init__(self, bucket, is_last, stamped=False):
         self._bucket = bucket
         self._is_last = is_last
+        self._stamped = stamped  # the step check's stamp rides behind this bucket's buffer
         self._replaced = None  # what set_buffer gave, if anything: the hook's buffer from then
 
     def index(self):
@@ -23,10 +24,12 @@ class GradBucket:
 
     def _to_sum(self):
         """minddp's own reductions sum this: the buffer, with the step check's
-        slots behind it where it has them (buckets.build, step_check.py)."""
+        slots behind it where the stamp rides this backward (buckets.build,
+        step_check.py: only on an exact sum; a codec would leave the slots to
+        whatever its block holds, and int8 decodes a block with a NaN as NaN)."""
         if self._replaced is not None:
             return self._replaced
-        return self._bucket.carrier if self._bucket.carrier is not None else self._bucket.buffer
+        return self._bucket.carrier if self._stamped else self._bucket.buffer
 
     def gradients(self):
         """Per-parameter row-major views into the buffer, shaped like the parameters

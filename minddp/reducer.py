@@ -442,7 +442,9 @@ class Reducer:
     def _launch(self, b):
         if b == 0 and self.logger is not None:
             self.logger.comm_started()
-        bucket = GradBucket(self.buckets[b], is_last=b == len(self.buckets) - 1)
+        bucket = GradBucket(self.buckets[b], is_last=b == len(self.buckets) - 1,
+                            stamped=b == 0 and self.step_check.carried(self.buckets,
+                                                                       self.reduction))
         return self.reduction.launch(bucket)
 
     @_outside_dynamo

@@ -118,9 +118,7 @@ class AlgorithmReduction:
     def launch(self, bucket):
         if is_sparse(bucket):
             return launch_sparse(self.engine, bucket, self.timeline)
-        # The step check's slots too, where bucket 0 has them and the sum is exact: a codec's
-        # would leave them to whatever a block holds (int8 decodes a block with a NaN as NaN).
-        tensor = bucket._to_sum() if self.carries_stamp else bucket.buffer()
+        tensor = bucket._to_sum()  # the step check's slots too, where they ride
         if self.alone:
             fut = future_on(tensor.device)
             fut.set_result(tensor)

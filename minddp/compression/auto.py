@@ -133,9 +133,8 @@ class AutoCompression:
     def launch(self, bucket):
         if is_sparse(bucket):
             return launch_sparse(self.engine, bucket, self.timeline)
-        # The step check's slots ride only on an exact sum (carries_stamp).
         b = bucket.index()
-        tensor = bucket._to_sum() if self.compressed[b] is None else bucket.buffer()
+        tensor = bucket._to_sum()  # the step check's slots too, where they ride
         return self.engine.submit(self._reduce, b, tensor, label=f"comm b{b}",
                                   device=tensor.device, timeline=self.timeline)
 
