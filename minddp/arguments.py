@@ -46,7 +46,7 @@ def refuse_unimplemented(rank, **given):
         if value not in (None, False):
             raise NotImplementedError(
                 f"minddp (rank {rank}): torch DDP's {name}= is not implemented by minddp "
-                f"(README, 'Differences from torch DDP'); leave it at its default or use "
+                f"(docs/differences.md); leave it at its default or use "
                 f"torch.nn.parallel.DistributedDataParallel.")
 
 

@@ -635,7 +635,7 @@ def _not_provided(name):
     def method(self, *args, **kwargs):
         raise NotImplementedError(
             f"minddp: torch DDP's private {name}() is not part of minddp's wrapper, whose "
-            f"reducer is its own (README, 'Differences from torch DDP'); use "
+            f"reducer is its own (docs/differences.md); use "
             f"torch.nn.parallel.DistributedDataParallel where you need it.")
     method.__name__ = name
     return method

@@ -94,7 +94,7 @@ def test_uneven_inputs_buffers_come_from_the_rank_torch_picks(broadcast_buffers)
     # after a join, from the highest rank (still training); with broadcast_buffers=False it
     # sends none. BatchNorm's running statistics show which rank they came from. Two ranks,
     # so that sums are bitwise torch's too (at three, the bucket layouts' orders of addition
-    # differ in the last bit: README, "bucket layout").
+    # differ in the last bit: docs/differences.md, "bucket layout").
     results = run_world(_both_wrappers, 2, broadcast_buffers, timeout=90)
     for rank, (theirs, ours) in enumerate(results):
         for i, (a, b) in enumerate(zip(theirs, ours)):
