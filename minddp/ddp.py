@@ -29,7 +29,7 @@ from minddp.errors import first_line
 from minddp.health import PeerProgress
 from minddp.join import Join, JoinHook
 from minddp.logging_data import DDPLogger
-from minddp import overlap
+from minddp import optim_in_backward, overlap
 from minddp.devices import group_device
 from minddp.model_sync import ModelMismatch, broadcast_from_first, check_same_model, shapes
 from minddp import python_reducer
@@ -75,6 +75,7 @@ class DistributedDataParallel(TorchDDP):
     """
 
     _use_python_reducer = False  # optimize_ddp="python_reducer" (also: older pickles)
+    _lazy_init_ran = False  # as torch's: the first forward takes over optim_in_backward's
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0,
                  broadcast_buffers=None, init_sync=True, process_group=None, bucket_cap_mb=None,
@@ -370,6 +371,9 @@ class DistributedDataParallel(TorchDDP):
     def _pre_forward(self, *inputs, **kwargs):
         if self._use_python_reducer:  # as torch's; replicate() calls this
             return inputs, kwargs
+        if not self._lazy_init_ran:  # as torch's _lazy_init, at the first forward
+            self._lazy_init_ran = True
+            self._setup_in_backward_optimizers()
         grad_enabled = torch.is_grad_enabled()
         recomputing = grad_enabled and self._recomputing()
         if grad_enabled and not recomputing:
@@ -410,6 +414,11 @@ class DistributedDataParallel(TorchDDP):
             inputs, kwargs = _to_device((inputs, kwargs),
                                         torch.device(self.device.type, self.device_ids[0]))
         return inputs, kwargs
+
+    def _setup_in_backward_optimizers(self):
+        """Optimizers from `_apply_optimizer_in_backward` step at finalize, on the
+        averaged gradients, not in their own hooks on this rank's (optim_in_backward.py)."""
+        self.reducer.stepped_in_backward = optim_in_backward.take_over(self.reducer.params)
 
     def _recomputing(self):
         """A forward run while this wrapper's own backward runs: autograd recomputing it
@@ -605,6 +614,7 @@ class DistributedDataParallel(TorchDDP):
         self.process_group = dist.group.WORLD
         self._join, self._generic_join, self.static_graph = None, None, False
         self.timeline = None
+        self._lazy_init_ran = False  # the new reducer takes optimizers over afresh
         self._take_name()  # the original may live on beside this copy
         with _current(self.device):
             self.engine = comm.engine_for(self.process_group, self._timeout, self.device)
@@ -617,7 +627,7 @@ class DistributedDataParallel(TorchDDP):
 # they would run torch's code on parts minddp does not have, so each raises.
 _TORCH_PRIVATE_NOT_PROVIDED = (
     "_register_accum_grad_hook", "_delayed_all_reduce_hook", "_register_delay_all_reduce_hook",
-    "_setup_in_backward_optimizers", "_fire_reducer_autograd_hook", "_root_copy_hook",
+    "_fire_reducer_autograd_hook", "_root_copy_hook",
     "_module_wait_for_copy_hook", "_ddp_init_helper",
     "_build_params_for_reducer", "_build_debug_param_to_name_mapping",
     "_get_parameters", "_run_ddp_forward", "_clear_grad_buffer", "_lazy_init",

@@ -57,7 +57,7 @@ import weakref
 
 import torch
 
-from minddp import readiness
+from minddp import optim_in_backward, readiness
 from minddp.errors import first_line, invariant, warn_as_reducer
 from minddp.grad_bucket import GradBucket
 from minddp.graph import reached_parameters
@@ -137,6 +137,9 @@ class Reducer:
         self._used_reduced = None    # the latest summed used map (a list), once waited for
         self._joined_used = None     # what this rank, joined, adds to the peers' used maps
         self._warned_create_graph = False
+        # Indices of the parameters whose optimizers run in backward, stepped at finalize
+        # on their averages (optim_in_backward.py; the wrapper sets it at its first forward).
+        self.stepped_in_backward = frozenset()
         self.phase = Phase.IDLE
 
     @property
@@ -499,12 +502,22 @@ class Reducer:
             result = self._collect(b)
             if b == 0:  # before any .grad is written
                 self.step_check.verify(self.forwards, self.buckets, self._wait_step_check)
-                self._launch_replica_check()
+                if not self.stepped_in_backward:
+                    self._launch_replica_check()
             if bucket.sparse:  # .grad is the bucket: the sum goes into it, as in torch
                 if result is not bucket.buffer:
                     bucket.buffer.copy_(result)
-                continue
-            self._write_grads(bucket, bucket.views_of(result), used)
+                views = [bucket.buffer]
+            else:
+                views = bucket.views_of(result)
+                self._write_grads(bucket, views, used)
+            if self.stepped_in_backward:
+                optim_in_backward.step(bucket, views, self.stepped_in_backward)
+        if self.stepped_in_backward:
+            optim_in_backward.clear(self.params, self.stepped_in_backward)
+            # Only now: the check reads the weights on the communication thread, and
+            # the optimizers above were changing them.
+            self._launch_replica_check()
         if self._used_future is not None:
             self._used_map()  # its reduction must not outlive the iteration
         self._replicas_agreed()

@@ -5,6 +5,7 @@ DistributedDataParallel)` and then call torch-private parts of the wrapper and
 its reducer. Each case runs the same script on torch's DDP and on minddp's and
 compares the weights; both ranks must also end bitwise equal.
 """
+import contextlib
 import sys
 import types
 
@@ -543,3 +544,76 @@ def test_small_surface_as_torch():
     theirs, ours, wrong_size = run_world(_small_surface, 1)[0]
     assert ours == theirs
     assert "set_buffer got 7 elements for bucket 0 of 6" in wrong_size, wrong_size
+
+
+class _WithSpareHead(nn.Module):
+    """Three layers; with `spare`, no rank ever uses the last (find_unused_parameters')."""
+
+    def __init__(self, spare):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 6), nn.Linear(6, 4), nn.Linear(4, 4)
+        self.spare = spare
+
+    def forward(self, x):
+        x = self.b(torch.tanh(self.a(x)))
+        return x if self.spare else self.head(x)
+
+
+def _optimizers(params):
+    """Per parameter, as _apply_optimizer_in_backward makes them: SGD with momentum for
+    the first layer, AdamW with weight decay for the rest."""
+    return [(p, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}) if i < 2 else
+            (p, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})
+            for i, p in enumerate(params)]
+
+
+def _optimizer_in_backward(rank, world_size, kwargs, after_wrapping):
+    """minddp with torch's optimizers in backward, against what torch's DDP does with
+    them on a GPU (its hook needs an accelerator): each parameter's optimizers step
+    on the averaged gradient (zeros where no rank used it), then .grad is None.
+    Step 1 accumulates under no_sync: nothing steps there."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    weights, grads_left = [], []
+    for kind in ("reference", "minddp"):
+        torch.manual_seed(0)
+        model = _WithSpareHead(spare=kwargs.get("find_unused_parameters", False))
+        if kind == "reference":
+            ddp = TorchDDP(model, find_unused_parameters=kwargs.get("find_unused_parameters",
+                                                                     False))
+            stepped = [(p, cls(([p]), **kw)) for p, cls, kw in _optimizers(model.parameters())]
+        else:
+            if not after_wrapping:
+                for p, cls, kw in _optimizers(model.parameters()):
+                    _apply_optimizer_in_backward(cls, [p], kw)
+            ddp = minddp.DDP(model, **kwargs)
+            if after_wrapping:  # before the first forward: torch's DDP takes them over then
+                for p, cls, kw in _optimizers(model.parameters()):
+                    _apply_optimizer_in_backward(cls, [p], kw)
+        for step in range(4):
+            x, y = _batch(rank, step)
+            with ddp.no_sync() if step == 1 else contextlib.nullcontext():
+                (ddp(x) - y).square().mean().backward()
+            if kind == "reference" and step != 1:
+                for p, optimizer in stepped:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    optimizer.step()
+                    p.grad = None
+            if kind == "minddp" and step != 1:
+                grads_left.append([p.grad is not None for p in model.parameters()])
+        weights.append(_weights(model)[0])
+    theirs, ours = weights
+    return [torch.equal(a, b) for a, b in zip(theirs, ours)], grads_left, \
+        torch.equal(*_gathered(torch.cat([w.flatten() for w in ours])))
+
+
+@pytest.mark.parametrize("kwargs, after_wrapping", [
+    ({}, False), ({"gradient_as_bucket_view": True}, True),
+    ({"find_unused_parameters": True, "algorithm": "ring"}, False)])
+def test_optimizers_in_backward_step_on_the_average_as_torch(kwargs, after_wrapping):
+    for same, grads_left, ranks_equal in run_world(_optimizer_in_backward, 2, kwargs,
+                                                   after_wrapping):
+        assert all(same), f"parameters that differ from torch's: {same}"
+        assert not any(any(step) for step in grads_left), grads_left  # .grad None, as torch
+        assert ranks_equal
