@@ -328,3 +328,33 @@ def test_an_embedding_with_max_norm_is_named_as_the_cause():
     assert step == 0, message  # the first forward renormalised; the first check sees it
     for words in ("'0.weight'", "nn.Embedding", "max_norm", "renormalises", "check_replicas=0"):
         assert words in message, (words, message)
+
+
+def _optimizer_in_a_gradient_hook(rank, world_size):
+    """torch's tutorial pattern: an optimizer per parameter, stepped from its
+    post-accumulate-grad hook, which sees this rank's gradient, not the average."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def step(p):
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    ddp = minddp.DDP(model, check_replicas=1)
+    try:
+        for step in range(3):
+            ddp(torch.full((2, 4), float(rank + step))).sum().backward()
+    except replicas.ReplicasDiverged as e:
+        return step, str(e)
+    return None, "no error"
+
+
+def test_an_optimizer_stepped_in_a_gradient_hook_is_named_as_the_cause():
+    step, message = _same_error_everywhere(run_world(_optimizer_in_a_gradient_hook, 2))
+    assert step == 0, message
+    for words in ("has a hook from register_post_accumulate_grad_hook", "before the ranks' "
+                  "average", "_apply_optimizer_in_backward", "check_replicas=0"):
+        assert words in message, (words, message)
