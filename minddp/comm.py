@@ -97,6 +97,13 @@ def engine_for(group, timeout=None, device=None, renew=False):
     """
     key, timeout = _key(group, timeout, device)
     ranks, cuda = key[0], key[3]
+    for stale, old in list(_engines.items()):
+        if not old.registered():
+            # destroy_process_group() ran since: the engine's groups went with that world,
+            # and its thread, idle, is stopped. A new world gets groups of its own.
+            old.stop_new_jobs("minddp: its process groups were destroyed")
+            old.close(timeout=1.0)
+            del _engines[stale]
     engine = _engines.get(key)
     if engine is not None and renew:
         engine.stop_new_jobs("minddp: a newer engine replaced this one")
@@ -149,6 +156,14 @@ class CommEngine:
 
     def failed(self):
         return self._error is not None
+
+    def registered(self):
+        """Whether the groups are still torch's: destroy_process_group() unregisters them."""
+        try:
+            dist.get_process_group_ranks(self.group)
+        except (KeyError, ValueError, RuntimeError):  # KeyError in torch 2.13
+            return False
+        return True
 
     def submit(self, job, *args, label="job", device=None, timeline=None):
         """Queue `job(*args)`; return a Future of its result.

@@ -130,6 +130,33 @@ def test_a_new_wrapper_trains_after_an_algorithm_failed():
     assert torch.equal(grads[0][0], torch.full((2, 4), 4.5))  # the mean of 3 and 6
 
 
+def _trains_again_after_reinitialising(rank, world_size, store_dir):
+    """destroy_process_group(), init_process_group() on a new store, a new wrapper: as
+    under torch's DDP, it trains (the engine of the old world's groups is replaced)."""
+    import threading
+
+    import torch.distributed as dist
+
+    sums = []
+    for world in range(2):
+        if world:
+            dist.destroy_process_group()
+            store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        model = torch.nn.Linear(4, 2)
+        ddp = minddp.DDP(model, algorithm="ring")
+        ddp(torch.full((3, 4), rank + 1.0)).sum().backward()
+        sums.append(model.weight.grad)
+    threads = sum(t.name == "minddp-comm" for t in threading.enumerate())
+    return sums, threads
+
+
+def test_a_wrapper_trains_after_the_process_group_is_made_again(tmp_path):
+    for sums, threads in run_world(_trains_again_after_reinitialising, 2, str(tmp_path)):
+        assert all(torch.equal(s, torch.full((2, 4), 4.5)) for s in sums), sums
+        assert threads == 1, f"{threads} communication threads: the old one was not stopped"
+
+
 # Where names must not be compared: the reducer, the wrapper, the seam and the
 # algorithms' shared code (registry.py is where names are looked up).
 NO_NAMES = ["minddp/ddp.py", "minddp/reducer.py", "minddp/reduction.py", "minddp/arguments.py",
