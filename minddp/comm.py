@@ -75,6 +75,16 @@ def _key(group, timeout, device):
     return (ranks, str(dist.get_backend(group)), timeout, cuda), timeout
 
 
+def registered(group):
+    """Whether torch.distributed knows `group` (its ranks): not after
+    destroy_process_group(), nor for a ProcessGroup made other than by its API."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):  # KeyError in torch 2.13
+        return False
+    return True
+
+
 def failed_engine(group, timeout=None, device=None):
     """Whether this rank's engine for `group` (engine_for's arguments) stopped after an
     error: its gradient group may hold collectives its peers never matched."""
@@ -159,11 +169,7 @@ class CommEngine:
 
     def registered(self):
         """Whether the groups are still torch's: destroy_process_group() unregisters them."""
-        try:
-            dist.get_process_group_ranks(self.group)
-        except (KeyError, ValueError, RuntimeError):  # KeyError in torch 2.13
-            return False
-        return True
+        return registered(self.group)
 
     def submit(self, job, *args, label="job", device=None, timeline=None):
         """Queue `job(*args)`; return a Future of its result.

@@ -107,6 +107,13 @@ class DistributedDataParallel(TorchDDP):
 
                 _pre_dp_module_transform(module)
         group = process_group if process_group is not None else dist.group.WORLD
+        if not comm.registered(group):
+            raise ValueError(
+                f"minddp (rank {group.rank()} of process_group): process_group {group!r} is "
+                f"not registered with torch.distributed (a ProcessGroup built directly, not by "
+                f"dist.new_group or init_process_group): minddp reduces on process groups of "
+                f"its own over the same ranks, so it needs the group's global ranks. Create "
+                f"the group with dist.new_group(ranks), or use torch's DDP for this one.")
         rank = dist.get_rank(group)
         arguments.refuse_unimplemented(
             rank, delay_all_reduce_named_params=delay_all_reduce_named_params,

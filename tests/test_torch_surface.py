@@ -617,3 +617,34 @@ def test_optimizers_in_backward_step_on_the_average_as_torch(kwargs, after_wrapp
         assert all(same), f"parameters that differ from torch's: {same}"
         assert not any(any(step) for step in grads_left), grads_left  # .grad None, as torch
         assert ranks_equal
+
+
+def _python_process_group(rank, world_size):
+    """A world of one built directly from torch's ProcessGroup class, never registered with
+    torch.distributed (torch's test_c10d_pypg.py passes such a group to its DDP)."""
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    class Lonely(dist.ProcessGroup):
+        def __init__(self):
+            super().__init__(0, 1)
+
+        def allreduce(self, tensors, opts):
+            future = torch.futures.Future()
+            future.set_result(tensors)
+            return _create_work_from_future(future)
+
+        def getBackendName(self):
+            return "lonely"
+
+    try:
+        minddp.DDP(nn.Linear(2, 2), process_group=Lonely())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_an_unregistered_process_group_is_refused_naming_the_fix():
+    message = run_world(_python_process_group, 1)[0]
+    for words in ("minddp (rank 0 of process_group)", "not registered with torch.distributed",
+                  "dist.new_group(ranks)"):
+        assert words in message, (words, message)
