@@ -52,6 +52,7 @@ import torch.distributed as dist
 from minddp import hops
 from minddp.algorithms import lanes
 from minddp.devices import group_device, is_device_backend
+from minddp.groups import new_group
 from minddp.timeline import now_us, profiled
 
 _STOP = object()
@@ -119,8 +120,8 @@ def engine_for(group, timeout=None, device=None, renew=False):
         engine.stop_new_jobs("minddp: a newer engine replaced this one")
         engine = None  # its thread may be stuck in a collective: left to the timeout
     if engine is None or not engine.alive():
-        groups = [dist.new_group(list(ranks), backend=dist.get_backend(group), timeout=timeout,
-                                 use_local_synchronization=group is not dist.group.WORLD)
+        subgroup = group is not dist.group.WORLD
+        groups = [new_group(ranks, dist.get_backend(group), timeout, subgroup)
                   for _ in range(2)]
         lanes.open_lanes(groups[0])  # here, never from the communication thread
         on_device = is_device_backend(groups[0])
@@ -128,11 +129,10 @@ def engine_for(group, timeout=None, device=None, renew=False):
         # The step check's few bytes go through gloo on the CPU where the
         # gradients' backend is NCCL: summing them on the GPU would make the
         # host wait for the GPU every step to read the sums back.
-        check = (dist.new_group(list(ranks), backend="gloo", timeout=timeout,
-                                use_local_synchronization=group is not dist.group.WORLD)
-                 if on_device else groups[1])
+        check = new_group(ranks, "gloo", timeout, subgroup) if on_device else groups[1]
         engine = _engines[key] = CommEngine(*groups, collectives, cuda, check_group=check)
     return engine
+
 
 
 class CommEngine:

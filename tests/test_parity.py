@@ -272,3 +272,30 @@ def test_a_parameter_returned_by_forward_as_torch():
                 for g, h in zip(a, b):
                     assert (g is None) == (h is None) and (g is None or torch.equal(g, h)), \
                         f"{where}, step {step}"
+
+
+def _overlapping_subgroups(rank, world_size):
+    """Rank 1 belongs to two data-parallel groups, [0, 1] and [1, 2], and wraps a model
+    in each; the others wrap one. Rank 1 then holds more process groups than its peers,
+    which must not change the names of the groups minddp makes for each wrapper."""
+    import torch.distributed as dist
+
+    pairs = {(0, 1): dist.new_group([0, 1]), (1, 2): dist.new_group([1, 2])}
+    seen = {}
+    for wrap in (TorchDDP, minddp.DDP):
+        for ranks, group in pairs.items():
+            if rank not in ranks:
+                continue
+            torch.manual_seed(0)
+            model = nn.Linear(4, 2)
+            ddp = wrap(model, process_group=group, **({} if wrap is TorchDDP else
+                                                       {"algorithm": "ring"}))
+            ddp(torch.full((3, 4), rank + 1.0)).square().sum().backward()
+            seen.setdefault(ranks, []).append([p.grad for p in model.parameters()])
+    return seen
+
+
+def test_wrappers_over_overlapping_subgroups_train_as_torch():
+    for rank, seen in enumerate(run_world(_overlapping_subgroups, 3)):
+        for ranks, (theirs, ours) in seen.items():
+            assert all(torch.equal(a, b) for a, b in zip(theirs, ours)), (rank, ranks)

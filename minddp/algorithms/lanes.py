@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from minddp.errors import first_line
+from minddp.groups import new_group
 
 _reverse = {}  # group -> the group carrying its messages from higher to lower ranks
 
@@ -50,8 +51,8 @@ def open_lanes(group):
         return
     ranks = dist.get_process_group_ranks(group)
     try:
-        lane = dist.new_group(ranks, backend="gloo", timeout=timeout_of(group),
-                              use_local_synchronization=group is not dist.group.WORLD)
+        lane = new_group(ranks, "gloo", timeout_of(group),
+                         subgroup=len(ranks) < dist.get_world_size())
     except Exception as e:
         raise RuntimeError(
             f"minddp (rank {group.rank()} of {group.size()}): opening the reverse lane of a "

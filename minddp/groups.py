@@ -1,0 +1,46 @@
+"""The process groups minddp makes for itself, named alike on every member.
+
+Its gradient groups (comm.py) and gloo's reverse lanes (algorithms/lanes.py) are
+new groups over the ranks of the group a wrapper was given. Over the whole world
+dist.new_group makes them (every rank calls it). Over a subgroup only its ranks
+call, and dist.new_group(use_local_synchronization=True) would name the group
+from how many groups the calling process already has (torch's
+_hash_ranks_to_str): ranks that belong to different other groups (a rank in two
+overlapping subgroups, say) compute different names, wait on different store
+keys, and never meet. So here the name comes from what the subgroup's ranks
+share: the ranks themselves and how many groups minddp has made over them before
+(each made by all of them together), passed to the helper dist.new_group itself
+calls. Where that helper is not what this code knows (another torch), or the
+default group makes its own subgroups, dist.new_group after all.
+"""
+import collections
+import inspect
+
+import torch.distributed as dist
+
+_made = collections.Counter()  # ranks -> groups this process made over them
+_HELPER_PARAMETERS = ["group_size", "group_rank", "global_ranks_in_group", "backend", "store",
+                      "group_name"]
+
+
+def new_group(ranks, backend, timeout, subgroup):
+    """A new group over `ranks` (global ranks, in group order), with `backend` and
+    `timeout`. `subgroup`: only these ranks make the call (together, at the same
+    point of their programs); otherwise every rank of the world does."""
+    ranks = list(ranks)
+    if not subgroup:
+        return dist.new_group(ranks, backend=backend, timeout=timeout)
+    c10d = dist.distributed_c10d
+    helper = getattr(c10d, "_new_process_group_helper", None)
+    default = c10d._get_default_group()
+    if (helper is None or hasattr(default, "new_group")
+            or list(inspect.signature(helper).parameters)[:6] != _HELPER_PARAMETERS):
+        return dist.new_group(ranks, backend=backend, timeout=timeout,
+                              use_local_synchronization=True)
+    name = f"minddp-{'-'.join(map(str, ranks))}-{_made[tuple(ranks)]}"
+    _made[tuple(ranks)] += 1
+    store = c10d._world.pg_map[default][1]
+    group, _ = helper(len(ranks), ranks.index(dist.get_rank()), ranks, dist.Backend(backend),
+                      store, name, timeout=timeout, device_id=default.bound_device_id)
+    c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(ranks)}  # as new_group
+    return group
