@@ -40,7 +40,8 @@ def new_group(ranks, backend, timeout, subgroup):
     name = f"minddp-{'-'.join(map(str, ranks))}-{_made[tuple(ranks)]}"
     _made[tuple(ranks)] += 1
     store = c10d._world.pg_map[default][1]
-    group, _ = helper(len(ranks), ranks.index(dist.get_rank()), ranks, dist.Backend(backend),
-                      store, name, timeout=timeout, device_id=default.bound_device_id)
+    made = helper(len(ranks), ranks.index(dist.get_rank()), ranks, dist.Backend(backend),
+                  store, name, timeout=timeout, device_id=getattr(default, "bound_device_id", None))
+    group = made[0] if isinstance(made, tuple) else made  # (group, its store) since torch 2.2
     c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(ranks)}  # as new_group
     return group
