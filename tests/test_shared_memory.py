@@ -4,6 +4,8 @@ test_battery.py, tests its sums and codecs like every registered algorithm's; te
 that a dead peer raises.)"""
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,7 +29,8 @@ def _close(a, b):
 
 
 def _left_behind():
-    return glob.glob(os.path.join(shared_memory.DIRECTORY, f"minddp-{os.getpid()}-*"))
+    return glob.glob(os.path.join(shared_memory.DIRECTORY,
+                                  f"minddp-{shared_memory._owner_tag()}-*"))
 
 
 def _train(rank, world_size, algorithm, as_view):
@@ -335,3 +338,21 @@ def test_ctrl_c_stops_a_wait_for_a_peer():
         shared_memory.flag_wait([word.data_ptr()], 1, [os.getpid()], 30.0)
     assert time.monotonic() - start < 5
     assert shared_memory.flag_wait([word.data_ptr()], 0, [os.getpid()], 1.0) == (0, -1)
+
+
+def test_files_a_killed_process_left_are_swept_by_the_next(tmp_path, monkeypatch):
+    """A rank killed while its wrapper was set up leaves its bucket's file (nobody
+    unlinked it); the next process to make one removes such files of dead processes of
+    its pid namespace, and only those."""
+    monkeypatch.setattr(shared_memory, "DIRECTORY", str(tmp_path))
+    namespace = shared_memory._owner_tag().split("-")[0]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    names = {"dead": f"minddp-{namespace}-{dead.pid}-0f", "alive": f"minddp-{namespace}-1-0f",
+             "elsewhere": f"minddp-{namespace}1-{dead.pid}-0f", "other": "other-file"}
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    monkeypatch.setattr(shared_memory, "_swept", False)
+    path, _ = shared_memory._create(128)
+    left = set(os.listdir(tmp_path)) - {os.path.basename(path)}
+    assert left == {names["alive"], names["elsewhere"], names["other"]}, left

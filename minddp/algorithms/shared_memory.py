@@ -105,13 +105,59 @@ def _room_for(nbytes):
     return free - nbytes >= max(HEADROOM * size, HEADROOM_BYTES)
 
 
+def _owner_tag():
+    """'<pid namespace>-<pid>': who made a file, in its name (_sweep_dead reads it)."""
+    namespace = _pid_namespace()
+    return f"{namespace[1] if namespace else 'x'}-{os.getpid()}"
+
+
+def _sweep_dead():
+    """Remove the files that processes of this pid namespace made and left behind when
+    they died (a SIGKILL while the wrapper was set up, before the peers had mapped
+    them and they were unlinked): each held a whole bucket of /dev/shm. A file whose
+    maker may live (this namespace cannot see it) stays."""
+    namespace = _pid_namespace()
+    if namespace is None:
+        return
+    prefix = f"minddp-{namespace[1]}-"
+    try:
+        names = [n for n in os.listdir(DIRECTORY) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(DIRECTORY, name))
+        except OSError:  # gone already, or another user's
+            pass
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
+
+
+_swept = False
+
+
 def _create(nbytes):
     """A new file of `nbytes` under DIRECTORY mapped here, as (path, uint8 tensor); None
     where it cannot be made (no /dev/shm, or too little space left in it: the space
     is reserved now, so a full /dev/shm fails here and not with a SIGBUS later)."""
+    global _swept
+    if not _swept:  # once a process: what dead ones left goes before the room is judged
+        _swept = True
+        _sweep_dead()
     if nbytes > 64 and not _room_for(nbytes):
         return None
-    path = os.path.join(DIRECTORY, f"minddp-{os.getpid()}-{uuid.uuid4().hex}")
+    path = os.path.join(DIRECTORY, f"minddp-{_owner_tag()}-{uuid.uuid4().hex}")
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     except OSError:
