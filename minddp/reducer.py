@@ -749,7 +749,9 @@ class Reducer:
                 (bucket.carrier if bucket.carrier is not None else bucket.buffer).zero_()
         step = self.step_check.shadow(self.buckets, self.reduction)
         futures = [step] if step is not None else []
-        futures += [self._launch(b) for b in range(len(self.buckets))]
+        launched = [self._launch(b) for b in range(len(self.buckets))]
+        if not self.stepped_in_backward:
+            futures += launched
         used = None
         if self.find_unused or self.in_first_static_iteration:
             # As torch's joined rank: its map as the last sum left it (the step it trained
@@ -765,6 +767,14 @@ class Reducer:
                    if self.replicas is not None else None)
         for future in futures:
             self._wait(future, "the buckets (joined rank, zeros)")
+        if self.stepped_in_backward:  # as torch's joined rank: its optimizers in backward
+            for b, future in enumerate(launched):  # step on the peers' averages too, so
+                self._futures[b] = future          # their state stays the peers'
+                result = self._collect(b)
+                optim_in_backward.step(self.buckets[b], [result] if self.buckets[b].sparse
+                                       else self.buckets[b].views_of(result),
+                                       self.stepped_in_backward)
+            optim_in_backward.clear(self.params, self.stepped_in_backward)
         if used is not None:
             summed = self._wait(used, "the used-parameter map (joined rank)", BACKEND)
             self._joined_used = (summed[0] if isinstance(summed, list) else summed).clone()

@@ -673,3 +673,29 @@ def test_every_collective_passes_torchs_debug_checks():
     for wrapped, same in run_world(_trained_under_detail, 2, timeout=120):
         assert wrapped == ["_ProcessGroupWrapper"] * 3, wrapped  # checked by torch
         assert all(same), same
+
+
+def _optimizer_in_backward_through_a_join(rank, world_size):
+    """Rank 0 has 3 batches, rank 1 one: the joined rank steps its optimizers on the
+    peers' averages too (torch's joined rank runs the same hook), so the weights and the
+    momentum buffers stay equal and the steps after the join train without a mismatch."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(),
+                                 {"lr": 0.1, "momentum": 0.9})
+    ddp = minddp.DDP(model, check_replicas=1)
+    with ddp.join():
+        for step in range(3 if rank == 0 else 1):
+            ddp(torch.full((2, 4), rank + 1.0 + step)).sum().backward()
+    for _ in range(2):
+        ddp(torch.full((2, 4), rank + 1.0)).sum().backward()
+    momenta = [o.state[p]["momentum_buffer"] for p in model.parameters()
+               for o in p._in_backward_optimizers]
+    return [torch.equal(*_gathered(t)) for t in list(model.parameters()) + momenta]
+
+
+def test_optimizers_in_backward_step_on_a_joined_rank_too():
+    for same in run_world(_optimizer_in_backward_through_a_join, 2):
+        assert all(same), same
