@@ -15,10 +15,14 @@ default group makes its own subgroups, dist.new_group after all.
 """
 import collections
 import inspect
+import weakref
 
 import torch.distributed as dist
 
-_made = collections.Counter()  # ranks -> groups this process made over them
+# ranks -> groups this process made over them, in the world of _counted_in (a new world,
+# after destroy_process_group(), counts afresh, as a process that replaced a dead one does).
+_made = collections.Counter()
+_counted_in = None
 _HELPER_PARAMETERS = ["group_size", "group_rank", "global_ranks_in_group", "backend", "store",
                       "group_name"]
 
@@ -37,6 +41,10 @@ def new_group(ranks, backend, timeout, subgroup):
             or list(inspect.signature(helper).parameters)[:6] != _HELPER_PARAMETERS):
         return dist.new_group(ranks, backend=backend, timeout=timeout,
                               use_local_synchronization=True)
+    global _counted_in
+    if _counted_in is None or _counted_in() is not default:
+        _made.clear()
+        _counted_in = weakref.ref(default)
     name = f"minddp-{'-'.join(map(str, ranks))}-{_made[tuple(ranks)]}"
     _made[tuple(ranks)] += 1
     store = c10d._world.pg_map[default][1]

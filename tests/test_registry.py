@@ -130,29 +130,39 @@ def test_a_new_wrapper_trains_after_an_algorithm_failed():
     assert torch.equal(grads[0][0], torch.full((2, 4), 4.5))  # the mean of 3 and 6
 
 
-def _trains_again_after_reinitialising(rank, world_size, store_dir):
+def _trains_again_after_reinitialising(rank, world_size, store_dir, subgroup):
     """destroy_process_group(), init_process_group() on a new store, a new wrapper: as
-    under torch's DDP, it trains (the engine of the old world's groups is replaced)."""
+    under torch's DDP, it trains (the engine of the old world's groups is replaced).
+    `subgroup`: the wrappers are over a group of the ranks, and rank 1 forgets what
+    groups it made, as a process that replaced a dead one would."""
     import threading
 
     import torch.distributed as dist
+
+    from minddp import groups
 
     sums = []
     for world in range(2):
         if world:
             dist.destroy_process_group()
+            if subgroup and rank == 1:
+                groups._made.clear()
+                groups._made[(0, 1)] = 7
             store = dist.FileStore(os.path.join(store_dir, "store"), world_size)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         model = torch.nn.Linear(4, 2)
-        ddp = minddp.DDP(model, algorithm="ring")
+        group = dist.new_group(list(range(world_size))) if subgroup else None
+        ddp = minddp.DDP(model, algorithm="ring", process_group=group)
         ddp(torch.full((3, 4), rank + 1.0)).sum().backward()
         sums.append(model.weight.grad)
     threads = sum(t.name == "minddp-comm" for t in threading.enumerate())
     return sums, threads
 
 
-def test_a_wrapper_trains_after_the_process_group_is_made_again(tmp_path):
-    for sums, threads in run_world(_trains_again_after_reinitialising, 2, str(tmp_path)):
+@pytest.mark.parametrize("subgroup", [False, True])
+def test_a_wrapper_trains_after_the_process_group_is_made_again(tmp_path, subgroup):
+    for sums, threads in run_world(_trains_again_after_reinitialising, 2, str(tmp_path),
+                                   subgroup):
         assert all(torch.equal(s, torch.full((2, 4), 4.5)) for s in sums), sums
         assert threads == 1, f"{threads} communication threads: the old one was not stopped"
 
