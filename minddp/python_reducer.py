@@ -26,14 +26,15 @@ def active():
 
 def configure(bucket_cap_mb, bucket_cap_mb_list):
     """torch's settings for the mode, with its refusal of per-bucket caps. `bucket_cap_mb`
-    is the constructor's argument as given; None is torch's default of 25 (inductor's
-    bucketing pass multiplies it)."""
+    is the constructor's argument as given; torch hands inductor whole MiB, 25 for None
+    (inductor's bucketing pass multiplies it)."""
     if bucket_cap_mb_list:
         raise AssertionError("when using bucket_cap_mb_list, python reducer is not supported")
     import torch._inductor.config as inductor
     inductor._fuse_ddp_communication = True
     if bucket_cap_mb != "auto":  # minddp's own plan means nothing to inductor: its default
-        inductor._fuse_ddp_bucket_size = 25 if bucket_cap_mb is None else bucket_cap_mb
+        cap = 25 if bucket_cap_mb is None else bucket_cap_mb
+        inductor._fuse_ddp_bucket_size = int(cap * (1 << 20)) // (1 << 20)
 
 
 def register(ddp, params):

@@ -257,9 +257,11 @@ def _python_reducer(rank, world_size):
         torch._dynamo.reset()
         torch.manual_seed(0)
         torch._inductor.config._fuse_ddp_bucket_size = None  # what each wrapper sets it to
+        for cap in (2.7, None):  # torch hands inductor whole MiB
+            wrap(Net(), bucket_cap_mb=cap)
+            seen[f"inductor's bucket size, {cap}, {wrap.__module__}"] = \
+                torch._inductor.config._fuse_ddp_bucket_size
         ddp = wrap(Net())
-        seen[f"inductor's bucket size, {wrap.__module__}"] = \
-            torch._inductor.config._fuse_ddp_bucket_size
         compiled = torch.compile(ddp, backend="aot_eager", fullgraph=True)
         grads = []
         for step in range(3):
@@ -301,7 +303,8 @@ def test_python_reducer_mode_reduces_as_torchs():
         _assert_same(ours, theirs, f"rank {rank}: gradient")
         assert "optimize_ddp='python_reducer'" in our_hook, our_hook  # torch's fails later
         assert seen["list"] == "when using bucket_cap_mb_list, python reducer is not supported"
-        assert seen["inductor's bucket size, minddp.ddp"] == \
-            seen["inductor's bucket size, torch.nn.parallel.distributed"], seen
+        for cap in (2.7, None):
+            assert seen[f"inductor's bucket size, {cap}, minddp.ddp"] == \
+                seen[f"inductor's bucket size, {cap}, torch.nn.parallel.distributed"], seen
         _assert_same(seen["replicate, swapped True"], seen["replicate, swapped False"],
                      f"rank {rank}: replicate() gradient")
