@@ -112,7 +112,9 @@ def engine_for(group, timeout=None, device=None, renew=False):
         if not old.registered():
             # destroy_process_group() ran since: the engine's groups went with that world,
             # and its thread, idle, is stopped. A new world gets groups of its own.
-            old.stop_new_jobs("minddp: its process groups were destroyed")
+            old.stop_new_jobs("minddp: this wrapper's process groups were destroyed "
+                              "(destroy_process_group()); wrap the model again in the new "
+                              "world")
             old.close(timeout=1.0)
             del _engines[stale]
     engine = _engines.get(key)

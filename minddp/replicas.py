@@ -222,18 +222,22 @@ class ReplicaCheck:
                 f"rank, if the norm bound matters), or check_replicas=0 to train with the "
                 f"replicas apart.")
         hooked = [self.names[i] for i in differing
-                  if getattr(self.tensors[i], "_post_accumulate_grad_hooks", None)]
+                  if getattr(self.tensors[i], "_post_accumulate_grad_hooks", None)
+                  or hasattr(self.tensors[i], "_in_backward_optimizers")]
         if hooked:
             return (
                 f"minddp (rank {self.rank}): replicas diverged at synced step #{step}: "
-                f"parameter '{hooked[0]}' has a hook from register_post_accumulate_grad_hook, "
-                f"which runs when this rank's gradient is accumulated, before the ranks' "
-                f"average: an optimizer stepped or weights changed there use a different "
-                f"gradient on every rank (under torch's DDP the ranks part too, silently). "
-                f"Ranks grouped by value: {split}. Fix: step the optimizer after backward, "
-                f"or use torch.distributed.optim._apply_optimizer_in_backward, whose "
-                f"optimizers the wrapper steps on the averaged gradient (as torch's DDP); "
-                f"check_replicas=0 trains with the replicas apart.")
+                f"parameter '{hooked[0]}' has a hook that runs on this rank's gradient, "
+                f"before the ranks' average (register_post_accumulate_grad_hook, or "
+                f"_apply_optimizer_in_backward called after the wrapper's first forward, "
+                f"when it takes those optimizers over): an optimizer step or a weight change "
+                f"there is the likely cause (under torch's DDP the ranks part too, silently). "
+                f"Fix: step the optimizer after backward, or call "
+                f"torch.distributed.optim._apply_optimizer_in_backward before the first "
+                f"forward (the wrapper then steps those optimizers on the averaged gradient, "
+                f"as torch's DDP does); check_replicas=0 trains with the replicas apart. "
+                f"Ranks grouped by value: {split}. {len(differing)} of {len(self.names)} "
+                f"parameters differ: {shown}{more}. {since}.")
         return (
             f"minddp (rank {self.rank}): replicas diverged at synced step #{step}: parameter "
             f"'{self.names[first]}' is not bit for bit equal on every rank. Ranks that agree "

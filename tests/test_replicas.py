@@ -355,6 +355,7 @@ def _optimizer_in_a_gradient_hook(rank, world_size):
 def test_an_optimizer_stepped_in_a_gradient_hook_is_named_as_the_cause():
     step, message = _same_error_everywhere(run_world(_optimizer_in_a_gradient_hook, 2))
     assert step == 0, message
-    for words in ("has a hook from register_post_accumulate_grad_hook", "before the ranks' "
-                  "average", "_apply_optimizer_in_backward", "check_replicas=0"):
+    for words in ("has a hook that runs on this rank's gradient", "before the ranks' average",
+                  "register_post_accumulate_grad_hook", "_apply_optimizer_in_backward before "
+                  "the first forward", "check_replicas=0", "of 4 parameters differ: '0.weight'"):
         assert words in message, (words, message)
