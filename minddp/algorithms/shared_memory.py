@@ -283,8 +283,8 @@ class _Group:
         status, i = flag_wait(self.peer_words, self.generation, self.peer_pids, self.timeout)
         if status == 1:
             raise RuntimeError(f"minddp shared_memory (rank {self.rank}): rank "
-                               f"{self.peers[i]}'s process exited in the middle of an "
-                               f"all-reduce")
+                               f"{self.peers[i]}'s process exited while this rank waited "
+                               f"for it in an all-reduce")
         if status == 2:
             raise RuntimeError(f"minddp shared_memory (rank {self.rank}): rank {self.peers[i]} did "
                                f"not reach the next phase of an all-reduce within the group's "
