@@ -31,4 +31,6 @@ def warn_as_reducer(message, rank):
     from code that Python's warning machinery never sees): not a Python warning, so
     `-W error` or pytest's `filterwarnings = error` cannot turn it into an exception
     where torch's DDP would only print."""
-    print(f"[rank{rank}]: minddp reducer: Warning: {message}", file=sys.stderr, flush=True)
+    # One write, newline included: ranks sharing a terminal do not run into each other's line.
+    sys.stderr.write(f"[rank{rank}]: minddp reducer: Warning: {message}\n")
+    sys.stderr.flush()
