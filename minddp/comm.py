@@ -136,7 +136,6 @@ def engine_for(group, timeout=None, device=None, renew=False):
     return engine
 
 
-
 class CommEngine:
     """Runs `job(*args)` callables on a background thread, in submission order.
 
