@@ -122,16 +122,14 @@ def engine_for(group, timeout=None, device=None, renew=False):
         engine.stop_new_jobs("minddp: a newer engine replaced this one")
         engine = None  # its thread may be stuck in a collective: left to the timeout
     if engine is None or not engine.alive():
-        subgroup = group is not dist.group.WORLD
-        groups = [new_group(ranks, dist.get_backend(group), timeout, subgroup)
-                  for _ in range(2)]
+        groups = [new_group(ranks, dist.get_backend(group), timeout) for _ in range(2)]
         lanes.open_lanes(groups[0])  # here, never from the communication thread
         on_device = is_device_backend(groups[0])
         collectives = cuda if cuda is not None and on_device else group_device(groups[0])
         # The step check's few bytes go through gloo on the CPU where the
         # gradients' backend is NCCL: summing them on the GPU would make the
         # host wait for the GPU every step to read the sums back.
-        check = new_group(ranks, "gloo", timeout, subgroup) if on_device else groups[1]
+        check = new_group(ranks, "gloo", timeout) if on_device else groups[1]
         engine = _engines[key] = CommEngine(*groups, collectives, cuda, check_group=check)
     return engine
 

@@ -27,12 +27,12 @@ _HELPER_PARAMETERS = ["group_size", "group_rank", "global_ranks_in_group", "back
                       "group_name"]
 
 
-def new_group(ranks, backend, timeout, subgroup):
+def new_group(ranks, backend, timeout):
     """A new group over `ranks` (global ranks, in group order), with `backend` and
-    `timeout`. `subgroup`: only these ranks make the call (together, at the same
-    point of their programs); otherwise every rank of the world does."""
+    `timeout`. These ranks make the call together, at the same point of their
+    programs: every rank of the world where `ranks` are all of them."""
     ranks = list(ranks)
-    if not subgroup:
+    if len(ranks) == dist.get_world_size():
         return dist.new_group(ranks, backend=backend, timeout=timeout)
     c10d = dist.distributed_c10d
     helper = getattr(c10d, "_new_process_group_helper", None)

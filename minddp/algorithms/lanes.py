@@ -51,8 +51,7 @@ def open_lanes(group):
         return
     ranks = dist.get_process_group_ranks(group)
     try:
-        lane = new_group(ranks, "gloo", timeout_of(group),
-                         subgroup=len(ranks) < dist.get_world_size())
+        lane = new_group(ranks, "gloo", timeout_of(group))
     except Exception as e:
         raise RuntimeError(
             f"minddp (rank {group.rank()} of {group.size()}): opening the reverse lane of a "
