@@ -120,6 +120,7 @@ class DistributedDataParallel(TorchDDP):
             param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision)
         # optimize_ddp="python_reducer": the compiler reduces (python_reducer.py)
         self._use_python_reducer = python_reducer.active()
+        self._ddp_sink_clone = True  # torch's default; _set_ddp_sink_clone
         if self._use_python_reducer:
             python_reducer.configure(bucket_cap_mb, bucket_cap_mb_list)
         # skip_all_reduce_unused_params and batched_grad_copy only make torch's
@@ -336,6 +337,11 @@ class DistributedDataParallel(TorchDDP):
             if name in params_and_buffers_to_ignore:
                 tensor._ddp_ignored = True  # read by other torch.distributed parts
 
+    def _set_ddp_sink_clone(self, val):
+        """torch's private switch: False hands the module's outputs through the sink
+        as they are, saving a copy of each, for a loss that is not modified in place."""
+        self._ddp_sink_clone = val
+
     def _set_static_graph(self):
         """torch's private switch, also set by static_graph=True: the graph is the
         same every iteration (see reducer.py)."""
@@ -450,7 +456,7 @@ class DistributedDataParallel(TorchDDP):
         self.reducer.prepare_for_backward(outputs, self._divisor)
         self.logger.backward_armed(self.reducer)
         if self.reducer.find_unused or self.reducer.in_first_static_iteration:
-            outputs = _through_sink(outputs, weakref.ref(self.reducer))
+            outputs = _through_sink(outputs, weakref.ref(self.reducer), self._ddp_sink_clone)
         return outputs
 
     # -- the torch API around the reducer ---------------------------------------
@@ -644,7 +650,6 @@ _TORCH_PRIVATE_NOT_PROVIDED = (
     "_check_sync_bufs_post_fwd", "_check_sync_bufs_pre_fwd",
     "_find_common_rank", "_sync_buffers", "_sync_module_buffers", "_default_broadcast_coalesced",
     "_passing_sync_batchnorm_handle", "_set_sparse_metadata", "_update_process_group",
-    "_set_ddp_sink_clone",
 )
 
 
@@ -668,22 +673,22 @@ class _DDPSink(torch.autograd.Function):
     output the loss ignores (find_unused_parameters), as torch's _DDPSink does."""
 
     @staticmethod
-    def forward(ctx, reducer_ref, *tensors):
+    def forward(ctx, reducer_ref, clone, *tensors):
         ctx.set_materialize_grads(False)  # an ignored output's gradient stays None
         ctx.reducer_ref = reducer_ref
-        # Copies, as torch's sink makes: a loss modified in place must not
-        # modify the sink's own output.
-        return tuple(t.clone() for t in tensors)
+        # Copies, as torch's sink makes unless told not to: a loss modified in
+        # place must not modify the sink's own output.
+        return tuple(t.clone() for t in tensors) if clone else tensors
 
     @staticmethod
     def backward(ctx, *grads):
         reducer = ctx.reducer_ref()
         if reducer is not None:
             reducer.sink_backward()
-        return (None, *grads)
+        return (None, None, *grads)
 
 
-def _through_sink(outputs, reducer_ref):
+def _through_sink(outputs, reducer_ref, clone):
     """`outputs` with every tensor in autograd's graph passed through the sink. An output
     that is a parameter itself goes in too but comes back as it was (torch's rule): the
     sink's backward then hands that parameter an undefined gradient, which counts as its
@@ -694,7 +699,7 @@ def _through_sink(outputs, reducer_ref):
           (leaf.grad_fn is not None or leaf.requires_grad)]
     if not at:
         return outputs
-    passed = _DDPSink.apply(reducer_ref, *[leaves[i] for i in at])
+    passed = _DDPSink.apply(reducer_ref, clone, *[leaves[i] for i in at])
     for i, tensor in zip(at, passed):
         if leaves[i].grad_fn is not None:
             leaves[i] = tensor

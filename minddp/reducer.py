@@ -438,7 +438,10 @@ class Reducer:
         if self._next < len(self.buckets):
             return
         if self.find_unused or self.in_first_static_iteration:
-            self._used_future = self.count_used(self.local_used.clone())
+            # A copy the next iteration's marks leave alone; not by aten.clone, which a step
+            # of torch's DDP never calls (its test_ddp_sink_noclone fails on one).
+            sent = torch.empty_like(self.local_used).copy_(self.local_used)
+            self._used_future = self.count_used(sent)
         if not self.in_first_static_iteration:  # that one finalizes at once
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 

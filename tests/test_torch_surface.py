@@ -6,6 +6,7 @@ its reducer. Each case runs the same script on torch's DDP and on minddp's and
 compares the weights; both ranks must also end bitwise equal.
 """
 import contextlib
+import itertools
 import sys
 import types
 
@@ -332,8 +333,43 @@ def test_every_torch_method_is_minddps_refused_or_harmless():
     assert not unsorted, f"torch DDP methods neither minddp's, refused nor harmless: {unsorted}"
     assert set(_TORCH_PRIVATE_NOT_PROVIDED) <= set(ours)
     ddp = object.__new__(minddp.DistributedDataParallel)
-    with pytest.raises(NotImplementedError, match="_set_ddp_sink_clone"):
-        ddp._set_ddp_sink_clone(False)
+    with pytest.raises(NotImplementedError, match="_sync_buffers"):
+        ddp._sync_buffers()
+
+
+def _clones_in_a_step(rank, world_size):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountClones(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.clones = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.clones += func._overloadpacket == torch.ops.aten.clone
+            return func(*args, **(kwargs or {}))
+
+    seen = {}
+    for kind, sink_clone in itertools.product(("torch", "minddp"), (True, False)):
+        torch.manual_seed(0)
+        ddp = _wrap(kind, nn.Linear(10, 10), find_unused_parameters=True)
+        if not sink_clone:
+            ddp._set_ddp_sink_clone(False)
+        with CountClones() as counted:
+            ddp(torch.ones(4, 10)).sum().backward()
+        seen[kind, sink_clone] = counted.clones, ddp.module.weight.grad
+    return seen
+
+
+def test_the_sink_copies_outputs_unless_told_not_to_as_torch():
+    """torch's test_ddp_sink_noclone: no aten.clone in a step after
+    _set_ddp_sink_clone(False); one per output before."""
+    seen = run_world(_clones_in_a_step, 1)[0]
+    for sink_clone in (True, False):
+        (torch_clones, torch_grad), (ours, grad) = (seen["torch", sink_clone],
+                                                    seen["minddp", sink_clone])
+        assert ours == torch_clones == (1 if sink_clone else 0), seen
+        assert torch.equal(grad, torch_grad)
 
 
 def _warnings_and_hook_errors(rank, world_size):
