@@ -52,11 +52,12 @@ import torch.distributed as dist
 from minddp import hops
 from minddp.algorithms import lanes
 from minddp.devices import group_device, is_device_backend
-from minddp.groups import new_group
+from minddp.groups import enter_world, new_group, this_world
 from minddp.timeline import now_us, profiled
 
 _STOP = object()
-_engines = {}  # (ranks, backend, timeout) -> CommEngine, for the life of the process
+_engines = {}  # (world, ranks, backend, timeout, device) -> CommEngine
+_engines_lock = threading.Lock()
 
 
 def future_on(device=None):
@@ -73,7 +74,9 @@ def _key(group, timeout, device):
         timeout = datetime.timedelta(seconds=timeout)
     cuda = device if device is not None and device.type == "cuda" else None
     ranks = tuple(dist.get_process_group_ranks(group))
-    return (ranks, str(dist.get_backend(group)), timeout, cuda), timeout
+    # the world: ranks run as threads of one process (torch's threaded process group)
+    # each have their own, and their own engines
+    return (id(this_world()), ranks, str(dist.get_backend(group)), timeout, cuda), timeout
 
 
 def registered(group):
@@ -107,16 +110,16 @@ def engine_for(group, timeout=None, device=None, renew=False):
     follows its parameters too).
     """
     key, timeout = _key(group, timeout, device)
-    ranks, cuda = key[0], key[3]
-    for stale, old in list(_engines.items()):
-        if not old.registered():
-            # destroy_process_group() ran since: the engine's groups went with that world,
-            # and its thread, idle, is stopped. A new world gets groups of its own.
-            old.stop_new_jobs("minddp: this wrapper's process groups were destroyed "
-                              "(destroy_process_group()); wrap the model again in the new "
-                              "world")
-            old.close(timeout=1.0)
-            del _engines[stale]
+    ranks, cuda = key[1], key[4]
+    with _engines_lock:  # ranks that are threads of one process share the table
+        stale = [k for k, old in _engines.items() if not old.registered()]
+        stale = [_engines.pop(k) for k in stale]
+    for old in stale:
+        # destroy_process_group() ran since: the engine's groups went with that world,
+        # and its thread, idle, is stopped. A new world gets groups of its own.
+        old.stop_new_jobs("minddp: this wrapper's process groups were destroyed "
+                          "(destroy_process_group()); wrap the model again in the new world")
+        old.close(timeout=1.0)
     engine = _engines.get(key)
     if engine is not None and renew:
         engine.stop_new_jobs("minddp: a newer engine replaced this one")
@@ -151,6 +154,7 @@ class CommEngine:
         self.check_group = check_group if check_group is not None else side_group  # CPU tensors
         self.device = device  # the device of the tensors the group's collectives take
         self._cuda = cuda     # the CUDA device the thread works on, if any
+        self._world = this_world()  # where the groups are registered, as the thread sees too
         self._jobs = queue.SimpleQueue()
         self._queued = 0  # jobs submitted and not yet issued by the thread
         self._queue_lock = threading.Lock()
@@ -167,8 +171,9 @@ class CommEngine:
         return self._error is not None
 
     def registered(self):
-        """Whether the groups are still torch's: destroy_process_group() unregisters them."""
-        return registered(self.group)
+        """Whether the groups are still torch's: destroy_process_group() unregisters them.
+        Asked of the engine's own world, whichever thread asks."""
+        return self.group in self._world.pg_group_ranks
 
     def submit(self, job, *args, label="job", device=None, timeline=None):
         """Queue `job(*args)`; return a Future of its result.
@@ -214,6 +219,7 @@ class CommEngine:
                             f"{self._error}")
 
     def _loop(self):
+        enter_world(self._world)
         if self._cuda is not None:  # a new thread starts on cuda:0
             torch.cuda.set_device(self._cuda)
         while True:

@@ -6,7 +6,6 @@ Construction checks the model and the settings on every rank, broadcasts rank
 every bucket through one Reduction (reduction.py): minddp's algorithms, or a
 comm hook registered with `register_comm_hook`.
 """
-import collections
 import contextlib
 import functools
 import logging
@@ -23,6 +22,7 @@ from torch.utils import _pytree as pytree
 from minddp import arguments
 from minddp import buckets as bucketing
 from minddp import comm
+from minddp import groups
 from minddp import compression as compressing
 from minddp.algorithms import native
 from minddp.errors import first_line
@@ -41,7 +41,6 @@ from minddp.timeline import align as align_clocks
 from minddp.timeline import from_environment
 
 log = logging.getLogger("minddp")
-_constructed = collections.Counter()  # ranks -> wrappers constructed over them
 # torch's class, taken from its defining module, which replace_torch_ddp() never rebinds.
 TorchDDP = nn.parallel.distributed.DistributedDataParallel
 
@@ -302,8 +301,7 @@ class DistributedDataParallel(TorchDDP):
         """Name this wrapper's entries in the store (health.py). Constructions are
         collective over the group's ranks, so the count, and the name, is the same
         on each of them."""
-        _constructed[self._ranks] += 1
-        self._member = f"{self._ranks}/{_constructed[self._ranks]}"
+        self._member = f"{self._ranks}/{groups.number(('wrapper', self._ranks))}"
 
     def _parameters_to_sync(self):
         return [p for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
