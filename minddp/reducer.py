@@ -673,8 +673,7 @@ class Reducer:
     def _abandon(self):
         """The previous backward began but never reached finalize: drain what it
         launched, tell the peers, and become BROKEN."""
-        missing = [self.names[i] for i in range(len(self.params))
-                   if not self.readiness.is_ready(i)]
+        missing = [i for i in range(len(self.params)) if not self.readiness.is_ready(i)]
         waiting = [b for b in range(len(self.buckets)) if self._futures[b] is None]
         if self.progress is not None:  # first: a peer may be waiting for this rank
             self.progress.abandon(f"abandoned iteration {self.iterations}: its backward did not "
@@ -686,25 +685,36 @@ class Reducer:
                 self._wait(future, "a bucket of the broken iteration")
             except RuntimeError:
                 pass  # the iteration is lost either way
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8
-                                          else "")
         # torch's words first (its tests and users match them), then what minddp saw.
-        unused = ("Since `find_unused_parameters=True` is enabled, not all `forward` outputs "
-                  "may participate in computing loss: make sure all `forward` function outputs "
-                  "participate in calculating loss." if self.find_unused else
-                  "You can enable unused parameter detection by passing the keyword argument "
-                  "`find_unused_parameters=True` to "
-                  "`torch.nn.parallel.DistributedDataParallel`, and make sure all `forward` "
-                  "function outputs participate in calculating loss.")
+        if self.static_graph:
+            cause = ("This error indicates that your training graph has changed in this "
+                     "iteration, e.g., one parameter is used in first iteration, but then got "
+                     "unused in the second iteration. this is not compatible with static_graph "
+                     "set to True.")
+        elif self.find_unused:
+            cause = ("This error indicates that your module has parameters that were not used "
+                     "in producing loss. Since `find_unused_parameters=True` is enabled, not "
+                     "all `forward` outputs may participate in computing loss: make sure all "
+                     "`forward` function outputs participate in calculating loss.")
+        else:
+            cause = ("This error indicates that your module has parameters that were not used "
+                     "in producing loss. You can enable unused parameter detection by passing "
+                     "the keyword argument `find_unused_parameters=True` to "
+                     "`torch.nn.parallel.DistributedDataParallel`, and make sure all `forward` "
+                     "function outputs participate in calculating loss.")
         self._break(
             f"Expected to have finished reduction in the prior iteration before starting a new "
-            f"one. minddp (rank {self.rank}): its backward pass did not finish: "
-            f"{len(missing)} parameter(s) got no gradient ({shown}), so buckets "
+            f"one. {cause}\n"
+            f"Parameter indices which did not receive grad for rank {self.rank}: "
+            f"{' '.join(map(str, missing))}\n"
+            f"Parameters which did not receive grad for rank {self.rank}: "
+            f"{', '.join(self.names[i] for i in missing)}\n"
+            f"minddp (rank {self.rank}): its backward pass did not finish, so buckets "
             f"{_spans(waiting)} of {len(self.buckets)} were never reduced and the other ranks "
             f"cannot complete that iteration. Either an exception interrupted backward (DDP "
             f"cannot skip a batch after its backward started: let the error stop training on "
             f"every rank, or skip the batch before backward on every rank), or those "
-            f"parameters took no part in the loss. {unused}")
+            f"parameters took no part in the loss.")
 
     def _break(self, message):
         self.phase = Phase.BROKEN
@@ -717,9 +727,10 @@ class Reducer:
         return message
 
     def _marked_twice(self, index):
-        return (f"Expected to mark a variable ready only once. minddp (rank {self.rank}): "
-                f"parameter '{self.names[index]}' received its gradient twice in one backward "
-                f"pass. It took part in several backward passes over one forward (reentrant "
+        return (f"Expected to mark a variable ready only once. Parameter at index {index} "
+                f"with name {self.names[index]} has been marked as ready twice. minddp (rank "
+                f"{self.rank}): it received its gradient twice in one backward pass. It took "
+                f"part in several backward passes over one forward (reentrant "
                 f"checkpointing reusing it, or a parameter used outside forward), or it was "
                 f"reported unused by find_unused_parameters but backward reached it. Pass "
                 f"static_graph=True if the graph is the same every iteration.")

@@ -162,3 +162,72 @@ def _converted_after_wrapping(rank, world_size):
 
 def test_dtype_changed_after_wrapping_is_caught_at_the_next_forward():
     assert run_world(_converted_after_wrapping, 2) == [True, True]
+
+
+class _Branchy(torch.nn.Module):
+    """fc3 takes part only when `use` says so; `outside` hands it out instead, to be
+    used after forward (torch's test_find_unused_parameters_kwarg)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = (torch.nn.Linear(4, 4, bias=False) for _ in range(3))
+
+    def forward(self, x, use=True, outside=False):
+        x = self.fc2(torch.relu(self.fc1(x)))
+        if outside:
+            return x, self.fc3
+        return self.fc3(x) if use else x
+
+
+def _first_error(ddp, steps):
+    """The message of the first error in `steps`: (use, outside) a step each."""
+    for use, outside in steps:
+        try:
+            out = ddp(torch.ones(2, 4), use, outside)
+            if outside:
+                out = out[1](out[0])
+            out.sum().backward()
+        except RuntimeError as e:
+            return str(e)
+    return None
+
+
+def _torchs_lines(rank, world_size):
+    cases = {"unused": ({}, [(True, False), (False, False), (True, False)]),
+             "graph changed": ({"static_graph": True},
+                               [(True, False), (True, False), (False, False), (True, False)]),
+             "marked twice": ({"find_unused_parameters": True}, [(True, True)])}
+    told = {}
+    for case, (kwargs, steps) in cases.items():
+        for kind, wrapper in [("torch", TorchDDP), ("minddp", minddp.DDP)]:
+            torch.manual_seed(0)
+            told[case, kind] = _first_error(wrapper(_Branchy(), **kwargs), steps)
+    return told
+
+
+# What torch's distributed_test.py looks for in these errors (at TORCH_DISTRIBUTED_DEBUG=OFF).
+_UNUSED = ["Expected to have finished reduction in the prior iteration",
+           "passing the keyword argument `find_unused_parameters=True`",
+           "`forward` function outputs participate in calculating loss"]
+_GRAPH_CHANGED = [
+    "Expected to have finished reduction in the prior iteration before starting a new one. "
+    "This error indicates that your training graph has changed in this iteration, e.g., one "
+    "parameter is used in first iteration, but then got unused in the second iteration. this "
+    "is not compatible with static_graph set to True.\nParameter indices which did not receive "
+    "grad for"]
+
+
+def test_unfinished_and_twice_marked_errors_carry_torchs_lines():
+    """What torch's tests (and users' scripts) look for in these errors: which
+    parameters, by index, and torch's first sentences."""
+    for rank, told in enumerate(run_world(_torchs_lines, 2)):
+        indices = f"Parameter indices which did not receive grad for rank {rank}: 2"
+        for case, words in [("unused", _UNUSED), ("graph changed", _GRAPH_CHANGED)]:
+            theirs, ours = told[case, "torch"], told[case, "minddp"]
+            assert all(w in theirs for w in words) and indices in theirs.split("\n"), theirs
+            assert all(w in ours for w in words) and indices in ours.split("\n"), ours
+            assert f"Parameters which did not receive grad for rank {rank}: fc3.weight" in ours
+        theirs, ours = told["marked twice", "torch"], told["marked twice", "minddp"]
+        assert "Parameter at index 2 with name fc3.weight has been marked" in theirs, theirs
+        assert ours.startswith("Expected to mark a variable ready only once. Parameter at "
+                               "index 2 with name fc3.weight has been marked"), ours
