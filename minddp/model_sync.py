@@ -15,7 +15,7 @@ class ModelMismatch(RuntimeError):
 
 def describe(named_params, settings):
     """A small picklable description of a model and its wrapper settings."""
-    return {"params": [(n, tuple(p.shape), str(p.dtype)) for n, p in named_params],
+    return {"params": [(n, tuple(p.shape), str(p.dtype), p.stride()) for n, p in named_params],
             "settings": settings}
 
 
@@ -30,8 +30,8 @@ def _first_difference(mine, theirs):
 def _show(param):
     if param is None:
         return "no parameter there"
-    name, shape, dtype = param
-    return f"'{name}' of shape {list(shape)} and dtype {dtype}"
+    name, shape, dtype, strides = param
+    return f"'{name}' of shape {list(shape)}, dtype {dtype} and strides {strides}"
 
 
 def check_same_model(named_params, settings, group, failed=False):
@@ -46,6 +46,15 @@ def check_same_model(named_params, settings, group, failed=False):
     for other, desc in enumerate(everyone[1:], start=1):
         if desc["params"] != ref["params"]:
             k, a, b = _first_difference(ref["params"], desc["params"])
+            if a is not None and b is not None and a[:3] == b[:3]:
+                # Buckets are summed element by element in memory order: the same
+                # parameter laid out otherwise would be summed with its elements mixed.
+                raise ModelMismatch(
+                    f"minddp (rank {me}): DDP expects same model across all ranks, but rank "
+                    f"{other}'s parameter #{k} '{a[0]}' with strides {b[3]} appears not to "
+                    f"match strides of the same param in process 0 ({a[3]}). Give it the same "
+                    f"memory format on every rank (e.g. .to(memory_format=torch.channels_last) "
+                    f"on all of them or on none).")
             raise ModelMismatch(
                 f"minddp (rank {me}): the model differs between ranks 0 and {other}: "
                 f"rank 0 has {len(ref['params'])} trainable parameters, rank {other} has "

@@ -121,3 +121,23 @@ def test_views_follow_the_gradient_layout_contract():
     for p, o, v in zip(bucket.params, bucket.offsets, bucket.views_of(result)):
         assert v.stride() == by_param[id(p)].stride()
         assert sorted(v.reshape(-1).tolist()) == list(range(o, o + p.numel()))
+
+
+def _layouts_differ(rank, world_size):
+    model = ConvNet()
+    if rank == 1:
+        model = model.to(memory_format=torch.channels_last)
+    try:
+        minddp.DDP(model)
+    except RuntimeError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_ranks_whose_parameters_differ_in_layout_are_refused():
+    """torch's test_param_layout_mismatch_error: buckets are summed in memory order,
+    so one parameter laid out two ways would be summed with its elements mixed."""
+    for told in run_world(_layouts_differ, 2, timeout=90):
+        assert told is not None and told[0] == "ModelMismatch", told
+        assert "'conv.weight' with strides (27, 1, 9, 3) appears not to match strides of the " \
+               "same param in process 0 ((27, 9, 3, 1))" in told[1], told
