@@ -172,38 +172,6 @@ def test_a_wrapper_trains_after_the_process_group_is_made_again(tmp_path, subgro
         assert threads == 1, f"{threads} communication threads: the old one was not stopped"
 
 
-def _notes_of_an_old_world(rank, world_size):
-    """A retry that makes the world again on the same store: the new wrapper must not
-    read the notes the old one left there."""
-    import torch.distributed as dist
-
-    port = [None]
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, world_size, True, wait_for_workers=False)
-        port = [store.port]
-    dist.broadcast_object_list(port)
-    if rank != 0:
-        store = dist.TCPStore("127.0.0.1", port[0], world_size, False)
-    seen = []
-    for world in range(2):
-        dist.destroy_process_group()
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        ddp = minddp.DDP(torch.nn.Linear(4, 2), algorithm="native")
-        if world == 0 and rank == 1:
-            ddp.reducer.progress.abandon("gave up an iteration of the old world")
-        dist.barrier()
-        seen.append(ddp.reducer.progress.abandoned())
-        dist.barrier()
-        ddp.close()
-    return seen
-
-
-def test_a_wrapper_in_a_new_world_on_the_same_store_reads_no_old_notes():
-    for rank, seen in enumerate(run_world(_notes_of_an_old_world, 2)):
-        assert seen[1] is None, (rank, seen)
-        assert seen[0] is not None or rank == 1, (rank, seen)  # the note was there to see
-
-
 # Where names must not be compared: the reducer, the wrapper, the seam and the
 # algorithms' shared code (registry.py is where names are looked up).
 NO_NAMES = ["minddp/ddp.py", "minddp/reducer.py", "minddp/reduction.py", "minddp/arguments.py",
