@@ -6,7 +6,6 @@ Construction checks the model and the settings on every rank, broadcasts rank
 every bucket through one Reduction (reduction.py): minddp's algorithms, or a
 comm hook registered with `register_comm_hook`.
 """
-import collections
 import contextlib
 import functools
 import logging
@@ -23,6 +22,7 @@ from torch.utils import _pytree as pytree
 from minddp import arguments
 from minddp import buckets as bucketing
 from minddp import comm
+from minddp import groups
 from minddp import compression as compressing
 from minddp.algorithms import native
 from minddp.errors import first_line
@@ -41,7 +41,6 @@ from minddp.timeline import align as align_clocks
 from minddp.timeline import from_environment
 
 log = logging.getLogger("minddp")
-_constructed = collections.Counter()  # (rank, ranks) -> wrappers constructed over them
 # torch's class, taken from its defining module, which replace_torch_ddp() never rebinds.
 TorchDDP = nn.parallel.distributed.DistributedDataParallel
 
@@ -302,12 +301,7 @@ class DistributedDataParallel(TorchDDP):
         """Name this wrapper's entries in the store (health.py). Constructions are
         collective over the group's ranks, so the count, and the name, is the same
         on each of them."""
-        # Counted for the life of the process, not afresh in a new world: a retry that
-        # makes the world again on the same store must not read the old wrapper's notes.
-        # By the caller's rank too: ranks that are threads of one process count apart.
-        key = (dist.get_rank(), self._ranks)
-        _constructed[key] += 1
-        self._member = f"{self._ranks}/{_constructed[key]}"
+        self._member = f"{self._ranks}/{groups.number(('wrapper', self._ranks))}"
 
     def _parameters_to_sync(self):
         return [p for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
@@ -405,9 +399,7 @@ class DistributedDataParallel(TorchDDP):
                 f"module again (minddp.DDP(ddp.module, ...)), or run this forward under "
                 f"no_sync() or torch.no_grad()."))
         if synced:
-            self.logger.forward_start()  # logs the layout as it was before this forward
-        if grad_enabled:
-            self.reducer.forward_started()
+            self.logger.forward_start()
         buffers = []
         if self.world_size > 1 and self.will_sync_module_buffers():
             self._assign_modules_buffers()
@@ -634,7 +626,6 @@ class DistributedDataParallel(TorchDDP):
         self._join, self._generic_join, self.static_graph = None, None, False
         self.timeline = None
         self._lazy_init_ran = False  # the new reducer takes optimizers over afresh
-        self.__dict__.setdefault("_ddp_sink_clone", True)  # older pickles lack it
         self._take_name()  # the original may live on beside this copy
         with _current(self.device):
             self.engine = comm.engine_for(self.process_group, self._timeout, self.device)

@@ -31,8 +31,8 @@ _HELPER_PARAMETERS = ["group_size", "group_rank", "global_ranks_in_group", "back
 
 def number(key):
     """0, 1, 2, ...: how many times this rank has counted `key` before, in this world.
-    For what a group's ranks make together (a process group over them), at the same
-    point of their programs: the number is then the same on each of them. A new
+    For what a group's ranks make together (a group, a wrapper over them), at the
+    same point of their programs: the number is then the same on each of them. A new
     world (destroy_process_group() and init again, or a process that replaced a dead
     one) counts afresh, as its peers do."""
     counts = _numbers.setdefault(dist.distributed_c10d._get_default_group(),
