@@ -399,7 +399,9 @@ class DistributedDataParallel(TorchDDP):
                 f"module again (minddp.DDP(ddp.module, ...)), or run this forward under "
                 f"no_sync() or torch.no_grad()."))
         if synced:
-            self.logger.forward_start()
+            self.logger.forward_start()  # logs the layout as it was before this forward
+        if grad_enabled:
+            self.reducer.forward_started()
         buffers = []
         if self.world_size > 1 and self.will_sync_module_buffers():
             self._assign_modules_buffers()

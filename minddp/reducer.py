@@ -128,6 +128,7 @@ class Reducer:
         self._expected = [1] * len(self.params)  # gradients that make a parameter ready
         self._set_layout(buckets)
         self.iterations = 0          # backward passes finalized
+        self._settled = False        # layout_settled
         self.forwards = 0            # synced forwards: what the step check compares
         self.divisor = 1
         self._broken = None          # the error every forward raises once BROKEN
@@ -234,12 +235,18 @@ class Reducer:
 
     @property
     def layout_settled(self):
-        """Whether torch's reducer would have rebuilt its buckets by now (after the first
-        backward, the second with static_graph; never with find_unused_parameters alone)
-        and minddp's own layout is final (bucket_cap_mb="auto" has planned): what torch's
-        _has_rebuilt_buckets and its logging's has_rebuilt_buckets report."""
-        return (self.planner is None and not self.find_unused and
-                self.iterations > (1 if self.static_graph else 0))
+        """What torch's _has_rebuilt_buckets and its logging's has_rebuilt_buckets report
+        (see forward_started)."""
+        return self._settled
+
+    def forward_started(self):
+        """A forward with gradients enabled begins: where torch's reducer rebuilds its
+        buckets, once the backward it learns their order from is done (the first, the
+        second with static_graph; never with find_unused_parameters alone). minddp's own
+        layout is final by then too, unless bucket_cap_mb="auto" has yet to plan."""
+        if not self._settled:
+            self._settled = (self.planner is None and not self.find_unused and
+                             self.iterations > (1 if self.static_graph else 0))
 
     @property
     def in_first_static_iteration(self):

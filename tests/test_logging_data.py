@@ -188,3 +188,38 @@ def test_runtime_stats_measure_minddps_iteration():
         assert data["rebuilt_per_bucket_param_indices"] == "1 0"
         assert hook_name == "my_hook"
         assert static == 1
+
+
+def _when_rebuilt(rank, world_size):
+    """(where, _has_rebuilt_buckets, the logged has_rebuilt_buckets) after each forward
+    and backward of 4 steps, with a forward under no_grad before the second."""
+    seen = {}
+    for kwargs in ({}, {"static_graph": True}, {"find_unused_parameters": True}):
+        for kind, wrapper in [("torch", TorchDDP), ("minddp", minddp.DDP)]:
+            torch.manual_seed(0)
+            ddp = wrapper(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), **kwargs)
+            steps = []
+
+            def note(where):
+                steps.append((where, int(ddp._has_rebuilt_buckets),
+                              ddp._get_ddp_logging_data().get("has_rebuilt_buckets")))
+            for step in range(4):
+                if step == 1:
+                    with torch.no_grad():
+                        ddp(torch.ones(2, 4))
+                    note("no_grad forward")
+                out = ddp(torch.ones(2, 4))
+                note("forward")
+                out.sum().backward()
+                note("backward")
+            seen[str(kwargs), kind] = steps
+    return seen
+
+
+def test_buckets_count_as_rebuilt_when_torchs_are():
+    """torch rebuilds its buckets at the first forward with gradients after the backward
+    it learns their order from; its logging says so from the forward after."""
+    seen = run_world(_when_rebuilt, 1)[0]
+    for kwargs in ({}, {"static_graph": True}, {"find_unused_parameters": True}):
+        assert seen[str(kwargs), "minddp"] == seen[str(kwargs), "torch"], (kwargs, seen)
+    assert any(rebuilt for _, rebuilt, _ in seen["{}", "torch"])  # the oracle did rebuild
