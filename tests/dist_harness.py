@@ -68,9 +68,16 @@ def free_port():
     kernel hands out (bind to 0) may be given again, before rank 0 binds it, to one of
     the gloo connections other tests' worlds are making (seen: EADDRINUSE in CI)."""
     low, _ = _ephemeral_ports()
+    start = max(1024, low - 16384)
+    # Each pytest-xdist worker draws from its own share, so that two workers' worlds
+    # never pick the same port in the moment between the check and rank 0's bind.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    share = (low - start) // max(1, workers)
+    start += share * (int(worker) % workers if worker.isdigit() else 0)
     rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(max(1024, low - 16384), low)
+        port = rng.randrange(start, start + share)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
