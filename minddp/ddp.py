@@ -628,6 +628,7 @@ class DistributedDataParallel(TorchDDP):
         self._join, self._generic_join, self.static_graph = None, None, False
         self.timeline = None
         self._lazy_init_ran = False  # the new reducer takes optimizers over afresh
+        self.__dict__.setdefault("_ddp_sink_clone", True)  # older pickles lack it
         self._take_name()  # the original may live on beside this copy
         with _current(self.device):
             self.engine = comm.engine_for(self.process_group, self._timeout, self.device)

@@ -51,6 +51,22 @@ def test_save_and_load_train_as_torchs():
     assert run_world(_copies, 2, "save") == [True, True]
 
 
+def _from_an_older_pickle(rank, world_size):
+    """A wrapper pickled before a setting existed loads with its default and trains."""
+    ddp = minddp.DDP(torch.nn.Linear(4, 2), find_unused_parameters=True)
+    state = ddp.__getstate__()
+    del state["_ddp_sink_clone"]  # what minddp pickled before _set_ddp_sink_clone
+    older = minddp.DDP.__new__(minddp.DDP)
+    older.__setstate__(state)
+    older(torch.full((3, 4), rank + 1.0)).sum().backward()
+    return older.module.weight.grad
+
+
+def test_a_wrapper_pickled_before_a_setting_existed_trains():
+    for grad in run_world(_from_an_older_pickle, 2):
+        assert torch.equal(grad, torch.full((2, 4), 4.5)), grad  # the mean of 3 and 6
+
+
 def _other_group(rank, world_size):
     ddp = minddp.DDP(BatchNormNet(), process_group=dist.new_group([0, 1]))
     try:
