@@ -56,6 +56,7 @@ import enum
 import weakref
 
 import torch
+import torch.distributed as dist
 
 from minddp import optim_in_backward, readiness
 from minddp.errors import first_line, invariant, warn_as_reducer
@@ -109,6 +110,9 @@ class Reducer:
         self.rank, self.world_size = rank, world_size
         self.find_unused = find_unused_parameters and not static_graph
         self.static_graph = static_graph
+        # As torch's reducer, fixed at construction: with it off, errors name parameters
+        # by index and suggest turning it on (minddp's own lines name them anyway).
+        self._debug = dist.get_debug_level() != dist.DebugLevel.OFF
         self.as_view = gradient_as_bucket_view
         self.count_used = count_used
         self.step_check = StepCheck(sum_step, rank, world_size)
@@ -709,16 +713,24 @@ class Reducer:
                      "the keyword argument `find_unused_parameters=True` to "
                      "`torch.nn.parallel.DistributedDataParallel`, and make sure all `forward` "
                      "function outputs participate in calculating loss.")
+        indices = (f"Parameter indices which did not receive grad for rank {self.rank}: "
+                   f"{' '.join(map(str, missing))}")
+        names = ', '.join(self.names[i] for i in missing)
+        if self._debug:  # torch names them only here; its tests look for either form
+            which = (f"Parameters which did not receive grad for rank {self.rank}: {names}\n"
+                     f"{indices}")
+        else:
+            which = (f"{indices}\n In addition, you can set the environment variable "
+                     f"TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL to print out information "
+                     f"about which particular parameters did not receive gradient on this rank "
+                     f"as part of this error")
         self._break(
             f"Expected to have finished reduction in the prior iteration before starting a new "
-            f"one. {cause}\n"
-            f"Parameter indices which did not receive grad for rank {self.rank}: "
-            f"{' '.join(map(str, missing))}\n"
-            f"Parameters which did not receive grad for rank {self.rank}: "
-            f"{', '.join(self.names[i] for i in missing)}\n"
+            f"one. {cause}\n{which}\n"
             f"minddp (rank {self.rank}): its backward pass did not finish, so buckets "
             f"{_spans(waiting)} of {len(self.buckets)} were never reduced and the other ranks "
-            f"cannot complete that iteration. Either an exception interrupted backward (DDP "
+            f"cannot complete that iteration. The parameters without a gradient: {names}. "
+            f"Either an exception interrupted backward (DDP "
             f"cannot skip a batch after its backward started: let the error stop training on "
             f"every rank, or skip the batch before backward on every rank), or those "
             f"parameters took no part in the loss.")

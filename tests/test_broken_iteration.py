@@ -192,7 +192,13 @@ def _first_error(ddp, steps):
     return None
 
 
-def _torchs_lines(rank, world_size):
+def _torchs_lines(rank, world_size, debug):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = debug  # torch's reducer reads it when built
+    dist.set_debug_level_from_env()
     cases = {"unused": ({}, [(True, False), (False, False), (True, False)]),
              "graph changed": ({"static_graph": True},
                                [(True, False), (True, False), (False, False), (True, False)]),
@@ -205,7 +211,7 @@ def _torchs_lines(rank, world_size):
     return told
 
 
-# What torch's distributed_test.py looks for in these errors (at TORCH_DISTRIBUTED_DEBUG=OFF).
+# What torch's distributed_test.py looks for in these errors.
 _UNUSED = ["Expected to have finished reduction in the prior iteration",
            "passing the keyword argument `find_unused_parameters=True`",
            "`forward` function outputs participate in calculating loss"]
@@ -213,20 +219,26 @@ _GRAPH_CHANGED = [
     "Expected to have finished reduction in the prior iteration before starting a new one. "
     "This error indicates that your training graph has changed in this iteration, e.g., one "
     "parameter is used in first iteration, but then got unused in the second iteration. this "
-    "is not compatible with static_graph set to True.\nParameter indices which did not receive "
-    "grad for"]
+    "is not compatible with static_graph set to True.\n"]
+# Where debugging is off, torch names the parameters by index only, and says how to see more.
+_SUGGESTION = "set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL"
 
 
-def test_unfinished_and_twice_marked_errors_carry_torchs_lines():
+@pytest.mark.parametrize("debug", ["OFF", "INFO"])
+def test_unfinished_and_twice_marked_errors_carry_torchs_lines(debug):
     """What torch's tests (and users' scripts) look for in these errors: which
-    parameters, by index, and torch's first sentences."""
-    for rank, told in enumerate(run_world(_torchs_lines, 2)):
+    parameters, by index, by name where debugging is on, torch's first sentences."""
+    for rank, told in enumerate(run_world(_torchs_lines, 2, debug)):
         indices = f"Parameter indices which did not receive grad for rank {rank}: 2"
+        names = f"Parameters which did not receive grad for rank {rank}: fc3.weight"
         for case, words in [("unused", _UNUSED), ("graph changed", _GRAPH_CHANGED)]:
-            theirs, ours = told[case, "torch"], told[case, "minddp"]
-            assert all(w in theirs for w in words) and indices in theirs.split("\n"), theirs
-            assert all(w in ours for w in words) and indices in ours.split("\n"), ours
-            assert f"Parameters which did not receive grad for rank {rank}: fc3.weight" in ours
+            for told_by in ("torch", "minddp"):
+                message = told[case, told_by]
+                assert all(w in message for w in words), message
+                assert indices in message.split("\n"), message
+                torchs = message.split("\nminddp (rank")[0]  # minddp's own lines follow
+                assert (_SUGGESTION in torchs) == (debug == "OFF"), message
+                assert (names in torchs.split("\n")) == (debug != "OFF"), message
         theirs, ours = told["marked twice", "torch"], told["marked twice", "minddp"]
         assert "Parameter at index 2 with name fc3.weight has been marked" in theirs, theirs
         assert ours.startswith("Expected to mark a variable ready only once. Parameter at "
