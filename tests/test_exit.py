@@ -13,12 +13,13 @@ groups can abort at exit too.
 """
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 
 import pytest
+
+from dist_harness import free_port
 
 # One interpreter imports torch and minddp once, then forks two fresh ranks per run
 # (importing torch is most of a run's cost on a small machine). Each child leaves the
@@ -60,15 +61,13 @@ if role is not None:
 RUNS = 6  # at one abort in two per run, all six pass by chance 1.6% of the time
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("algorithm, unused", [("ring", "all"), ("native", "unused")])
 def test_script_ending_after_backward_exits_cleanly(algorithm, unused):
-    ports = [str(_free_port()) for _ in range(RUNS)]
+    # Below the ephemeral range, as the harness's worlds: a port the kernel handed out
+    # could be taken by another test's connection in the seconds before a run binds it.
+    ports = set()
+    while len(ports) < RUNS:
+        ports.add(str(free_port()))
     # Its own session, so a timeout kills the forked ranks too; stderr to a file, which
     # no leftover process can hold open the way it would a pipe.
     with tempfile.TemporaryFile("w+") as err:
