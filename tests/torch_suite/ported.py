@@ -562,8 +562,10 @@ class PortedDDPTests:
 
     def test_ported_ddp_unused_params_rebuild_buckets_exception(self):
         """A parameter that gets no gradient without find_unused_parameters: the
-        next forward raises a RuntimeError that recommends
-        find_unused_parameters=True, and the logging data holds its message."""
+        next forward raises a RuntimeError with torch's sentences (recommending
+        find_unused_parameters=True) and, by TORCH_DISTRIBUTED_DEBUG, the
+        suggestion to turn it on (OFF) or the parameter's name (INFO), which
+        upstream checks at each level; the logging data holds the message."""
         class Model(nn.Module):
             def __init__(self):
                 super().__init__()
@@ -573,12 +575,25 @@ class PortedDDPTests:
             def forward(self, x):
                 return self.net1(x)
 
-        ddp = wrap(Model())
-        ddp(torch.rand(1, 10)).sum().backward()
-        with self.assertRaisesRegex(RuntimeError, "find_unused_parameters") as caught:
+        for level in ("OFF", "INFO"):
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = level  # the reducer reads it when built
+            dist.set_debug_level_from_env()
+            ddp = wrap(Model())
             ddp(torch.rand(1, 10)).sum().backward()
-        verify_ddp_error_logged(ddp, str(caught.exception))
-        dist.barrier()
+            with self.assertRaises(RuntimeError) as caught:
+                ddp(torch.rand(1, 10)).sum().backward()
+            message = str(caught.exception)
+            verify_ddp_error_logged(ddp, message)
+            expected = ["Expected to have finished reduction in the prior iteration",
+                        "passing the keyword argument `find_unused_parameters=True`",
+                        "`forward` function outputs participate in calculating loss",
+                        "set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO "
+                        "or DETAIL" if level == "OFF" else
+                        f"did not receive grad for rank {self.rank}: net2.weight"]
+            for words in expected:
+                self.assertIn(words, message)
+            self.assertNotIn("Since `find_unused_parameters=True` is enabled", message)
+            dist.barrier()
 
     def test_ported_ddp_shared_grad_acc_unused_params(self):
         """One unused parameter registered under two names (net1.bias is self.bias)
