@@ -132,7 +132,7 @@ class Reducer:
         self._expected = [1] * len(self.params)  # gradients that make a parameter ready
         self._set_layout(buckets)
         self.iterations = 0          # backward passes finalized
-        self._settled = False        # layout_settled
+        self._settled = False        # torch's has_rebuilt_bucket_: set by forward_started
         self.forwards = 0            # synced forwards: what the step check compares
         self.divisor = 1
         self._broken = None          # the error every forward raises once BROKEN
@@ -211,9 +211,10 @@ class Reducer:
                 _warn_nothing_unused(self.rank)
 
     def _rebuild_buckets(self):
-        """torch's private call before a forward: raise if the previous backward did
-        not finish; True if the buckets were rebuilt now (minddp rebuilds them only
-        at bucket_cap_mb="auto"'s plan, after a backward)."""
+        """torch's private call before a forward (its join hook makes it on joined
+        ranks): raise if the previous backward did not finish. Always False: minddp
+        never rebuilds here (bucket_cap_mb="auto" re-lays its buckets after a
+        backward; forward_started tracks when torch's would have)."""
         self.check_finished()
         return False
 
@@ -716,9 +717,9 @@ class Reducer:
         indices = (f"Parameter indices which did not receive grad for rank {self.rank}: "
                    f"{' '.join(map(str, missing))}")
         names = ', '.join(self.names[i] for i in missing)
-        if self._debug:  # torch names them only here; its tests look for either form
-            which = (f"Parameters which did not receive grad for rank {self.rank}: {names}\n"
-                     f"{indices}")
+        if self._debug:  # torch names them only here (sorted); its tests look for either form
+            which = (f"Parameters which did not receive grad for rank {self.rank}: "
+                     f"{', '.join(sorted(self.names[i] for i in missing))}\n{indices}")
         else:
             which = (f"{indices}\n In addition, you can set the environment variable "
                      f"TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL to print out information "

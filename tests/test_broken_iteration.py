@@ -168,9 +168,10 @@ class _Branchy(torch.nn.Module):
     """fc3 takes part only when `use` says so; `outside` hands it out instead, to be
     used after forward (torch's test_find_unused_parameters_kwarg)."""
 
-    def __init__(self):
+    def __init__(self, bias=False):
         super().__init__()
-        self.fc1, self.fc2, self.fc3 = (torch.nn.Linear(4, 4, bias=False) for _ in range(3))
+        self.fc1, self.fc2 = (torch.nn.Linear(4, 4, bias=False) for _ in range(2))
+        self.fc3 = torch.nn.Linear(4, 4, bias=bias)
 
     def forward(self, x, use=True, outside=False):
         x = self.fc2(torch.relu(self.fc1(x)))
@@ -202,12 +203,15 @@ def _torchs_lines(rank, world_size, debug):
     cases = {"unused": ({}, [(True, False), (False, False), (True, False)]),
              "graph changed": ({"static_graph": True},
                                [(True, False), (True, False), (False, False), (True, False)]),
-             "marked twice": ({"find_unused_parameters": True}, [(True, True)])}
+             "marked twice": ({"find_unused_parameters": True}, [(True, True)]),
+             # fc3.weight and fc3.bias: torch names them sorted, not in index order
+             "two unused": ({"bias": True}, [(True, False), (False, False), (True, False)])}
     told = {}
     for case, (kwargs, steps) in cases.items():
+        bias = kwargs.pop("bias", False)
         for kind, wrapper in [("torch", TorchDDP), ("minddp", minddp.DDP)]:
             torch.manual_seed(0)
-            told[case, kind] = _first_error(wrapper(_Branchy(), **kwargs), steps)
+            told[case, kind] = _first_error(wrapper(_Branchy(bias), **kwargs), steps)
     return told
 
 
@@ -224,6 +228,17 @@ _GRAPH_CHANGED = [
 _SUGGESTION = "set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL"
 
 
+def _torchs_part(message):
+    """`message` up to minddp's own account, which follows torch's lines."""
+    return message.split("\nminddp (rank")[0]
+
+
+def _which(message):
+    """The lines of torch's part of `message` that say which parameters got no gradient."""
+    return [line for line in _torchs_part(message).split("\n")
+            if "did not receive grad" in line or line.startswith(" In addition")]
+
+
 @pytest.mark.parametrize("debug", ["OFF", "INFO"])
 def test_unfinished_and_twice_marked_errors_carry_torchs_lines(debug):
     """What torch's tests (and users' scripts) look for in these errors: which
@@ -236,9 +251,12 @@ def test_unfinished_and_twice_marked_errors_carry_torchs_lines(debug):
                 message = told[case, told_by]
                 assert all(w in message for w in words), message
                 assert indices in message.split("\n"), message
-                torchs = message.split("\nminddp (rank")[0]  # minddp's own lines follow
+                torchs = _torchs_part(message)
                 assert (_SUGGESTION in torchs) == (debug == "OFF"), message
                 assert (names in torchs.split("\n")) == (debug != "OFF"), message
+        for case in ("unused", "graph changed", "two unused"):  # torch's lines, in its order
+            theirs, ours = (_which(told[case, kind]) for kind in ("torch", "minddp"))
+            assert ours == theirs and theirs, (theirs, ours)
         theirs, ours = told["marked twice", "torch"], told["marked twice", "minddp"]
         assert "Parameter at index 2 with name fc3.weight has been marked" in theirs, theirs
         assert ours.startswith("Expected to mark a variable ready only once. Parameter at "
