@@ -75,6 +75,8 @@ class DistributedDataParallel(TorchDDP):
 
     _use_python_reducer = False  # optimize_ddp="python_reducer" (also: older pickles)
     _lazy_init_ran = False  # as torch's: the first forward takes over optim_in_backward's
+    _ddp_sink_clone = True  # for pickles from before _set_ddp_sink_clone
+    _rebuilt_when_copied = False  # see _has_rebuilt_buckets
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0,
                  broadcast_buffers=None, init_sync=True, process_group=None, bucket_cap_mb=None,
@@ -575,8 +577,9 @@ class DistributedDataParallel(TorchDDP):
     @property
     def _has_rebuilt_buckets(self):
         """torch's flag that the bucket layout is final (ZeRO's hook_with_zero_step waits
-        for it before it maps buckets to its shards)."""
-        return self.reducer.layout_settled
+        for it before it maps buckets to its shards). torch's is an attribute, so a copy
+        (deepcopy, pickle) of a wrapper that had rebuilt starts with it true."""
+        return self._rebuilt_when_copied or self.reducer.layout_settled
 
     @broadcast_buffers.setter
     def broadcast_buffers(self, value):
@@ -618,6 +621,7 @@ class DistributedDataParallel(TorchDDP):
         if self._use_python_reducer:
             state.pop("forward", None)  # the module's, set again on load
         state["_static_graph"] = state.pop("static_graph")
+        state["_rebuilt_when_copied"] = self._has_rebuilt_buckets
         return state
 
     def __setstate__(self, state):
@@ -628,7 +632,6 @@ class DistributedDataParallel(TorchDDP):
         self._join, self._generic_join, self.static_graph = None, None, False
         self.timeline = None
         self._lazy_init_ran = False  # the new reducer takes optimizers over afresh
-        self.__dict__.setdefault("_ddp_sink_clone", True)  # older pickles lack it
         self._take_name()  # the original may live on beside this copy
         with _current(self.device):
             self.engine = comm.engine_for(self.process_group, self._timeout, self.device)

@@ -47,11 +47,11 @@ Where minddp's values differ from torch's meaning:
   then re-lays them once in the order gradients arrived in the first
   iteration (not at all with find_unused_parameters). minddp lays them out
   at construction in that same reverse order and keeps them (bucket_cap_mb=
-  "auto" re-lays them once, from measured ready times). minddp logs 1 once
-  its layout is final and a backward has run with it (after the plan with
-  "auto"), and, as torch, never with find_unused_parameters (without a static
-  graph); "rebuilt_bucket_sizes" and "rebuilt_per_bucket_param_indices" then
-  describe that layout.
+  "auto" re-lays them once, from measured ready times). minddp logs 1 where
+  torch does (from the forward after the one torch rebuilds in, and never with
+  find_unused_parameters without a static graph), with "auto" only once its
+  plan is made; "rebuilt_bucket_sizes" and "rebuilt_per_bucket_param_indices"
+  then describe that layout.
 - "num_buckets_reduced": minddp reduces every bucket, every iteration
   (skip_all_reduce_unused_params is accepted but changes nothing).
 - "can_set_static_graph" is kept per wrapper (torch's is logged once per process).

@@ -6,6 +6,7 @@ iterations are sampled, the gradients' ready order, when the graph is found
 not static, the errors for bad sample rates. torch's own tests that read the
 logging data run in tests/torch_suite (test_ddp_logging_data_cpu and others).
 """
+import copy
 import pickle
 import time
 
@@ -192,7 +193,8 @@ def test_runtime_stats_measure_minddps_iteration():
 
 def _when_rebuilt(rank, world_size):
     """(where, _has_rebuilt_buckets, the logged has_rebuilt_buckets) after each forward
-    and backward of 4 steps, with a forward under no_grad before the second."""
+    and backward of 4 steps, with a forward under no_grad before the second, then of a
+    deepcopy's first step (torch's flag is an attribute: the copy takes it along)."""
     seen = {}
     for kwargs in ({}, {"static_graph": True}, {"find_unused_parameters": True}):
         for kind, wrapper in [("torch", TorchDDP), ("minddp", minddp.DDP)]:
@@ -200,18 +202,22 @@ def _when_rebuilt(rank, world_size):
             ddp = wrapper(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), **kwargs)
             steps = []
 
-            def note(where):
+            def note(where, ddp):
                 steps.append((where, int(ddp._has_rebuilt_buckets),
                               ddp._get_ddp_logging_data().get("has_rebuilt_buckets")))
             for step in range(4):
                 if step == 1:
                     with torch.no_grad():
                         ddp(torch.ones(2, 4))
-                    note("no_grad forward")
+                    note("no_grad forward", ddp)
                 out = ddp(torch.ones(2, 4))
-                note("forward")
+                note("forward", ddp)
                 out.sum().backward()
-                note("backward")
+                note("backward", ddp)
+            copied = copy.deepcopy(ddp)
+            note("copied", copied)
+            copied(torch.ones(2, 4)).sum().backward()
+            note("copy's backward", copied)
             seen[str(kwargs), kind] = steps
     return seen
 
