@@ -70,13 +70,17 @@ def free_port():
     low, _ = _ephemeral_ports()
     start = max(1024, low - 16384)
     # Each pytest-xdist worker draws from its own share, so that two workers' worlds
-    # never pick the same port in the moment between the check and rank 0's bind.
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    # never pick the same port in the moment between the check and rank 0's bind (a
+    # worker xdist starts again takes a higher number: it shares with one, as before).
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
-    share = (low - start) // max(1, workers)
-    start += share * (int(worker) % workers if worker.isdigit() else 0)
+    share = (low - start) // workers
+    if share >= 256:
+        start += share * (int(worker) % workers if worker.isdigit() else 0)
+    else:  # a narrow range below the ephemeral one: all of it, for every worker
+        share = low - start
     rng = random.Random()
-    for _ in range(200):
+    for _ in range(200 if share > 0 else 0):
         port = rng.randrange(start, start + share)
         with socket.socket() as s:
             try:
