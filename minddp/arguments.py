@@ -85,11 +85,11 @@ def check_arguments(named, rank, device_ids, output_device, bucket_cap_mb, bucke
     if bucket_cap_mb == "auto" and bucket_cap_mb_list:
         raise ValueError(f"{where}: bucket_cap_mb='auto' plans every bucket itself; pass "
                          f"either it or bucket_cap_mb_list, not both.")
+    # Zero or less is torch's too: every bucket closes at its first parameter.
     for cap in [bucket_cap_mb] + list(bucket_cap_mb_list or []):
-        if cap != "auto" and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or
-                              cap <= 0):
-            raise ValueError(f"{where}: bucket_cap_mb must be a positive number of MiB or "
-                             f"'auto' (planned from measured gradient-ready times), got {cap!r}.")
+        if cap != "auto" and (isinstance(cap, bool) or not isinstance(cap, (int, float))):
+            raise ValueError(f"{where}: bucket_cap_mb must be a number of MiB or 'auto' "
+                             f"(planned from measured gradient-ready times), got {cap!r}.")
     try:
         registry.algorithm(algorithm)
     except ValueError as e:

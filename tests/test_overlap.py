@@ -185,5 +185,5 @@ def test_plan_is_on_the_timeline_and_bad_caps_are_refused(tmp_path):
     assert len(plans) == 1 and plans[0]["args"]["buckets"] >= 1
     assert {"alpha_us", "beta_us_per_mb", "slowdown", "ready_ms", "done_ms"} <= set(
         plans[0]["args"])
-    assert "positive number of MiB or 'auto'" in messages[0] and "rank 0" in messages[0]
+    assert "a number of MiB or 'auto'" in messages[0] and "rank 0" in messages[0]
     assert "not both" in messages[1]

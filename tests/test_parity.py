@@ -127,6 +127,13 @@ def test_tiny_buckets_many_of_them():
     _assert_ranks_equal(run_world(_train_both, 3, "deep", 3, kw, kw))
 
 
+@pytest.mark.parametrize("cap", [0, -1])
+def test_a_cap_of_zero_or_less_trains_as_torch(cap):
+    """torch takes it: every bucket closes at its first parameter."""
+    kw = {"bucket_cap_mb": cap}
+    _assert_ranks_equal(run_world(_train_both, 2, "deep", 3, kw, kw))
+
+
 def test_gradient_as_bucket_view():
     kw = {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.002}
     _assert_ranks_equal(run_world(_train_both, 2, "deep", 3, kw, kw))
