@@ -108,6 +108,14 @@ class DistributedDataParallel(TorchDDP):
 
                 _pre_dp_module_transform(module)
         group = process_group if process_group is not None else dist.group.WORLD
+        if not isinstance(group, dist.ProcessGroup):  # torch's DDP: a TypeError from C++
+            what = ("dist.GroupMember.NON_GROUP_MEMBER: this rank is not in that group, and "
+                    "only the group's ranks wrap the model" if
+                    group is dist.GroupMember.NON_GROUP_MEMBER else
+                    f"{type(group).__name__} {group!r}")
+            raise TypeError(f"minddp (rank {dist.get_rank()}): process_group must be a "
+                            f"torch.distributed.ProcessGroup (dist.new_group(ranks) makes "
+                            f"one), got {what}.")
         if not comm.registered(group):
             raise ValueError(
                 f"minddp (rank {group.rank()} of process_group): process_group {group!r} is "

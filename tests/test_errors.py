@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -39,7 +40,9 @@ def _construction_errors(rank, world_size):
         "no_params": (frozen, {}),
         "mixed": (mixed, {}),
         "meta": (nn.Linear(2, 2, device="meta"), {}),
-        "cap": (nn.Linear(2, 2), {"bucket_cap_mb": 0}),
+        "cap": (nn.Linear(2, 2), {"bucket_cap_mb": "25"}),
+        "group": (nn.Linear(2, 2), {"process_group": 5}),
+        "not_member": (nn.Linear(2, 2), {"process_group": dist.GroupMember.NON_GROUP_MEMBER}),
         "algorithm": (nn.Linear(2, 2), {"algorithm": "fastest"}),
         "compression": (nn.Linear(2, 2), {"compression": "int4"}),
         "device_ids": (nn.Linear(2, 2), {"device_ids": [0]}),
@@ -58,7 +61,9 @@ def test_construction_errors():
         "no_params": ["RuntimeError", "rank 0", "doesn't have any parameter that requires"],
         "mixed": ["rank 0", "several devices", "move the whole module"],
         "meta": ["rank 0", "meta device", "to_empty"],
-        "cap": ["rank 0", "bucket_cap_mb must be a positive", "0"],
+        "cap": ["rank 0", "bucket_cap_mb must be a number", "'25'"],
+        "group": ["TypeError", "rank 0", "must be a torch.distributed.ProcessGroup", "int 5"],
+        "not_member": ["TypeError", "rank 0", "NON_GROUP_MEMBER", "not in that group"],
         "algorithm": ["rank 0", "unknown algorithm 'fastest'", "choose one of"],
         "compression": ["rank 0", "unknown compression 'int4'", "choose one of"],
         "device_ids": ["rank 0", "pass neither for a CPU module"],
