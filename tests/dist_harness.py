@@ -124,10 +124,12 @@ def _child(rank, world_size, port, pg_timeout, backend, fn, args, results):
         pass
 
 
-def _failure_report(world_size, rank, error, results, grace=1.0):
+def _failure_report(world_size, rank, error, results, procs, heard, grace=1.0):
     """Describe a failed world, earliest failure first: the other ranks' errors
-    are usually consequences of it (a peer closed the connection)."""
-    errors = {rank: error}
+    are usually consequences of it (a peer closed the connection). A rank that
+    sent nothing (not in `heard`) is described by its process: a death by a
+    signal (a crash in native code) leaves no traceback, and may be the cause."""
+    errors, finished = {rank: error}, set(heard)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         try:
@@ -136,12 +138,19 @@ def _failure_report(world_size, rank, error, results, grace=1.0):
             break
         if status == "error":
             errors[r] = value
+        else:
+            finished.add(r)
     order = sorted(errors, key=lambda r: errors[r][0])
     first = order[0]
     report = f"rank {first} of {world_size} failed:\n{errors[first][1]}"
     for r in order[1:]:
         last_line = errors[r][1].strip().splitlines()[-1]
         report += f"\nthen rank {r} failed: {last_line}"
+    for r, proc in enumerate(procs):
+        if r not in errors and r not in finished:
+            code = proc.exitcode
+            state = "still running" if code is None else f"exited with code {code}"
+            report += f"\nrank {r} sent no result: {state}"
     return report
 
 
@@ -202,7 +211,8 @@ def run_world(fn, world_size, *args, timeout=60, pg_timeout=None, expect_dead=()
             if rank in expect_dead:
                 continue
             if status == "error":
-                raise WorldFailed(_failure_report(world_size, rank, value, results))
+                raise WorldFailed(_failure_report(world_size, rank, value, results, procs,
+                                                  set(values) | set(expect_dead)))
             values[rank] = pickle.loads(value)
         for r, p in enumerate(procs):
             if r not in expect_dead:

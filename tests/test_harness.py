@@ -20,6 +20,12 @@ def _rank1_raises(rank, world_size):
     dist.barrier()  # the other ranks block here until they are killed
 
 
+def _rank1_raises_while_rank0_sleeps(rank, world_size):
+    if rank == 1:
+        raise ValueError("planted failure on rank one")
+    time.sleep(60)  # sends nothing: the report says how its process stands
+
+
 def _rank0_hangs(rank, world_size):
     if rank == 0:
         time.sleep(600)
@@ -32,6 +38,12 @@ def test_results_come_back_from_every_rank():
 def test_failing_rank_traceback_is_reported():
     with pytest.raises(WorldFailed, match=r"(?s)rank 1 of 2 failed.*planted failure on rank one"):
         run_world(_rank1_raises, 2, timeout=30)
+
+
+def test_a_rank_that_sent_nothing_is_described_by_its_process():
+    with pytest.raises(WorldFailed, match=r"(?s)planted failure on rank one.*"
+                                          r"rank 0 sent no result: still running"):
+        run_world(_rank1_raises_while_rank0_sleeps, 2, timeout=30)
 
 
 def test_hung_world_fails_with_timeout():
