@@ -716,10 +716,10 @@ class Reducer:
                      "function outputs participate in calculating loss.")
         indices = (f"Parameter indices which did not receive grad for rank {self.rank}: "
                    f"{' '.join(map(str, missing))}")
-        names = ', '.join(self.names[i] for i in missing)
+        names = [self.names[i] for i in missing]
         if self._debug:  # torch names them only here (sorted); its tests look for either form
             which = (f"Parameters which did not receive grad for rank {self.rank}: "
-                     f"{', '.join(sorted(self.names[i] for i in missing))}\n{indices}")
+                     f"{', '.join(sorted(names))}\n{indices}")
         else:
             which = (f"{indices}\n In addition, you can set the environment variable "
                      f"TORCH_DISTRIBUTED_DEBUG to either INFO or DETAIL to print out information "
@@ -730,8 +730,8 @@ class Reducer:
             f"one. {cause}\n{which}\n"
             f"minddp (rank {self.rank}): its backward pass did not finish, so buckets "
             f"{_spans(waiting)} of {len(self.buckets)} were never reduced and the other ranks "
-            f"cannot complete that iteration. The parameters without a gradient: {names}. "
-            f"Either an exception interrupted backward (DDP "
+            f"cannot complete that iteration. The parameters without a gradient: "
+            f"{', '.join(names)}. Either an exception interrupted backward (DDP "
             f"cannot skip a batch after its backward started: let the error stop training on "
             f"every rank, or skip the batch before backward on every rank), or those "
             f"parameters took no part in the loss.")
