@@ -9,7 +9,8 @@
 #   1    build minddp._C as `make setup` does; torch.ops.minddp.compress must
 #        have a CUDA kernel (an existing build without one is rebuilt once,
 #        verbosely, so the log shows why)
-#   2    the CUDA cases of tests/test_compression_ops.py
+#   2    tools/check_int8_division.cu (every int8 quotient decompress computes without a
+#        division, bit for bit), then the CUDA cases of tests/test_compression_ops.py
 #   3    tests/test_gpu.py (2 ranks over gloo on one GPU, 1 rank over NCCL)
 #        and tests/test_train.py's AMP test
 #   4a-e compare.py --device cuda on 2 ranks (gloo) and 1 rank (NCCL),
@@ -98,6 +99,11 @@ pytest_nothing_skipped() {
 }
 
 step_kernel_tests() {
+    local nvcc check
+    nvcc=$("$PY" -c "from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME)")/bin/nvcc
+    check=$(mktemp -d)/check_int8_division
+    "$nvcc" -O3 -std=c++17 -arch=native tools/check_int8_division.cu -o "$check" &&
+        "$check" || return 1
     pytest_nothing_skipped tests/test_compression_ops.py -k cuda
 }
 
@@ -302,7 +308,7 @@ EOF
 main() {
     header
     run_step 1  "build minddp._C with CUDA kernels (make setup)"            300 build
-    run_step 2  "CUDA kernel tests (tests/test_compression_ops.py -k cuda)" 150 kernel_tests
+    run_step 2  "CUDA kernel checks (int8 division, test_compression_ops)"  150 kernel_tests
     run_step 3  "multi-process GPU tests (tests/test_gpu.py, AMP test)"     270 gpu_tests
     run_step 4a "compare.py --device cuda, 2 ranks on one GPU (gloo)"       150 compare 2 gloo
     run_step 4b "compare.py --device cuda, 1 rank (NCCL)"                   120 compare 1 nccl

@@ -7,6 +7,7 @@
 
 #include "../scale.h"
 #include "compress_kernels.h"
+#include "int8_division.cuh"
 
 namespace minddp {
 namespace {
@@ -27,18 +28,31 @@ __device__ __forceinline__ float magnitude(float x) {
   return a < INFINITY ? a : 0.0f;
 }
 
+// Independent 16-byte loads a thread keeps in flight in the 16-bit kernels: one at a time
+// leaves each SM too few bytes in flight to cover the memory's latency.
+constexpr int kLoads = 4;
+
 __global__ void amax_kernel(const float* x, int64_t n, bool vec, unsigned int* amax_bits) {
   __shared__ float warp_max[kThreads / 32];
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, start = 0;
   float m = 0.0f;
   if (vec) {
-    for (int64_t g = i; g < n / 4; g += stride) {
-      float4 v = reinterpret_cast<const float4*>(x)[g];
-      m = fmaxf(fmaxf(m, fmaxf(magnitude(v.x), magnitude(v.y))),
-                fmaxf(magnitude(v.z), magnitude(v.w)));
+    const int64_t groups = n / 4;
+    for (int64_t g = i; g < groups; g += kLoads * stride) {
+      float4 v[kLoads];
+      #pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int64_t h = g + u * stride;
+        v[u] = h < groups ? reinterpret_cast<const float4*>(x)[h] : make_float4(0, 0, 0, 0);
+      }
+      #pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        m = fmaxf(fmaxf(m, fmaxf(magnitude(v[u].x), magnitude(v[u].y))),
+                  fmaxf(magnitude(v[u].z), magnitude(v[u].w)));
+      }
     }
-    start = n / 4 * 4;
+    start = groups * 4;
   }
   for (int64_t k = start + i; k < n; k += stride) m = fmaxf(m, magnitude(x[k]));
   for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
@@ -51,6 +65,8 @@ __global__ void amax_kernel(const float* x, int64_t n, bool vec, unsigned int* a
   }
 }
 
+// The second read of the input goes back to front: amax_kernel read the end last, so that
+// part may still be in L2 (a gradient bucket, 25 MiB by default, fits the L2 of an H100).
 template <typename T>
 __global__ void pack_kernel(const float* x, int64_t n, bool vec, const unsigned int* amax_bits,
                             float* scale_out, T* out) {
@@ -59,14 +75,25 @@ __global__ void pack_kernel(const float* x, int64_t n, bool vec, const unsigned 
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, start = 0;
   if (vec) {
-    for (int64_t g = i; g < n / 4; g += stride) {
-      float4 v = reinterpret_cast<const float4*>(x)[g];
-      Four<T> o;
-      store(&o.v[0], __fmul_rn(v.x, scale)); store(&o.v[1], __fmul_rn(v.y, scale));
-      store(&o.v[2], __fmul_rn(v.z, scale)); store(&o.v[3], __fmul_rn(v.w, scale));
-      reinterpret_cast<Four<T>*>(out)[g] = o;
+    const int64_t groups = n / 4, span = kLoads * stride;
+    for (int64_t base = groups > 0 ? (groups - 1) / span * span : -1; base >= 0; base -= span) {
+      float4 v[kLoads];
+      #pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int64_t h = base + i + u * stride;
+        if (h < groups) v[u] = reinterpret_cast<const float4*>(x)[h];
+      }
+      #pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int64_t h = base + i + u * stride;
+        if (h >= groups) break;
+        Four<T> o;
+        store(&o.v[0], __fmul_rn(v[u].x, scale)); store(&o.v[1], __fmul_rn(v[u].y, scale));
+        store(&o.v[2], __fmul_rn(v[u].z, scale)); store(&o.v[3], __fmul_rn(v[u].w, scale));
+        reinterpret_cast<Four<T>*>(out)[h] = o;
+      }
     }
-    start = n / 4 * 4;
+    start = groups * 4;
   }
   for (int64_t k = start + i; k < n; k += stride) store(&out[k], __fmul_rn(x[k], scale));
 }
@@ -109,11 +136,15 @@ constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int kGroupsPerLane = int(kInt8Block / 4 / 32);
 static_assert(kInt8Block % 128 == 0, "an int8 block must split into 4-value groups over a warp");
 
-// With `error` (compress_with_feedback) the values packed are x - error, and error
+// With FEEDBACK (compress_with_feedback) the values packed are x - error, and error
 // becomes decoded - (x - error) where finite, 0 elsewhere (int8_record_scalar);
-// with `decode`, x = decoded as well.
-__global__ void compress_int8_kernel(float* x, int64_t n, int64_t blocks, bool vec, float* scales,
-                                     signed char* out, float* error, bool decode) {
+// with `decode`, x = decoded as well. A template parameter, not a null check, and a register
+// bound: the plain compress fits 4 blocks an SM (62 registers, no spills; 2 without), the
+// wait on each warp's loads hidden by twice as many warps.
+template <bool FEEDBACK>
+__global__ void __launch_bounds__(kThreads, FEEDBACK ? 2 : 4)
+compress_int8_kernel(float* x, int64_t n, int64_t blocks, bool vec, float* scales,
+                     signed char* out, float* error, bool decode) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
   for (int64_t b = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32; b < blocks;
@@ -128,7 +159,7 @@ __global__ void compress_int8_kernel(float* x, int64_t n, int64_t blocks, bool v
       if (whole) {
         const float4 a = *reinterpret_cast<const float4*>(x + k);
         v[j][0] = a.x; v[j][1] = a.y; v[j][2] = a.z; v[j][3] = a.w;
-        if (error != nullptr) {
+        if (FEEDBACK) {
           const float4 e = *reinterpret_cast<const float4*>(error + k);
           v[j][0] = __fsub_rn(a.x, e.x); v[j][1] = __fsub_rn(a.y, e.y);
           v[j][2] = __fsub_rn(a.z, e.z); v[j][3] = __fsub_rn(a.w, e.w);
@@ -136,7 +167,7 @@ __global__ void compress_int8_kernel(float* x, int64_t n, int64_t blocks, bool v
       } else {
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          v[j][e] = k + e < n ? (error != nullptr ? __fsub_rn(x[k + e], error[k + e]) : x[k + e])
+          v[j][e] = k + e < n ? (FEEDBACK ? __fsub_rn(x[k + e], error[k + e]) : x[k + e])
                               : 0.0f;
         }
       }
@@ -146,6 +177,7 @@ __global__ void compress_int8_kernel(float* x, int64_t n, int64_t blocks, bool v
     for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
     const float scale = int8_scale_from_amax(m);
     if (lane == 0) scales[b] = scale;
+    const float inv = FEEDBACK ? __frcp_rn(scale) : 0.0f;
     #pragma unroll
     for (int j = 0; j < kGroupsPerLane; ++j) {
       const int64_t k = begin + 4 * (lane + 32 * j);
@@ -154,14 +186,14 @@ __global__ void compress_int8_kernel(float* x, int64_t n, int64_t blocks, bool v
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
         q[e] = quantize_int8(v[j][e], scale);
-        if (error == nullptr) continue;
-        decoded[e] = __fdiv_rn(static_cast<float>(q[e]), scale);
+        if (!FEEDBACK) continue;
+        decoded[e] = divide_int8(q[e], scale, inv);
         const float diff = __fsub_rn(decoded[e], v[j][e]);
         d[e] = fabsf(diff) <= 3.40282347e38f ? diff : 0.0f;
       }
       if (whole) {
         *reinterpret_cast<char4*>(out + k) = make_char4(q[0], q[1], q[2], q[3]);
-        if (error != nullptr) {
+        if (FEEDBACK) {
           *reinterpret_cast<float4*>(error + k) = make_float4(d[0], d[1], d[2], d[3]);
           if (decode) {
             *reinterpret_cast<float4*>(x + k) =
@@ -173,7 +205,7 @@ __global__ void compress_int8_kernel(float* x, int64_t n, int64_t blocks, bool v
       #pragma unroll
       for (int e = 0; e < 4 && k + e < n; ++e) {
         out[k + e] = q[e];
-        if (error != nullptr) {
+        if (FEEDBACK) {
           error[k + e] = d[e];
           if (decode) x[k + e] = decoded[e];
         }
@@ -182,18 +214,19 @@ __global__ void compress_int8_kernel(float* x, int64_t n, int64_t blocks, bool v
   }
 }
 
-// Division, correctly rounded (int8 scales are not powers of two), then the add: as the
-// reference. The vector path takes groups of 4 values (a 4-byte load of packed data, a 16-byte
-// access of float32; 4 divides kInt8Block, so the 4 share a scale), kUnroll groups a thread per
-// pass, all loaded (packed values, scales, and dst to add to) before any is used: one 4-byte load in flight a thread leaves the kernel
-// waiting on memory latency. Lane t of a warp takes group t of each 32, so every load and store
-// instruction of a warp is contiguous (sixteen values a thread from one 16-byte load were
-// slower: a warp's stores then land 64 bytes apart).
+// Division, correctly rounded (int8 scales are not powers of two; divide_int8), then the add:
+// as the reference. The vector path takes groups of 4 values (a 4-byte load of packed data, a
+// 16-byte access of float32; 4 divides kInt8Block, so the 4 share a scale), kUnroll groups a
+// thread per pass, all loaded (packed values, scales, and dst to add to) before any is used: one
+// 4-byte load in flight a thread leaves the kernel waiting on memory latency. Lane t of a warp
+// takes group t of each 32, so every load and store instruction of a warp is contiguous
+// (sixteen values a thread from one 16-byte load were slower: a warp's stores then land 64 bytes
+// apart). Bounded to 6 blocks an SM (3 adding): 40 registers (64), no spills.
 constexpr int kUnroll = 4;
 
 template <bool ADD>
-__global__ void unpack_int8_kernel(const signed char* p, int64_t n, bool vec, const float* scales,
-                                   float* dst) {
+__global__ void __launch_bounds__(kThreads, ADD ? 3 : 6)
+unpack_int8_kernel(const signed char* p, int64_t n, bool vec, const float* scales, float* dst) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t start = 0;
@@ -215,9 +248,11 @@ __global__ void unpack_int8_kernel(const signed char* p, int64_t n, bool vec, co
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t h = g + u * stride;
         if (h >= groups) break;
-        float4 v = make_float4(
-            __fdiv_rn(float(q[u].x), scale[u]), __fdiv_rn(float(q[u].y), scale[u]),
-            __fdiv_rn(float(q[u].z), scale[u]), __fdiv_rn(float(q[u].w), scale[u]));
+        const float inv = __frcp_rn(scale[u]);
+        float4 v = make_float4(divide_int8(q[u].x, scale[u], inv),
+                               divide_int8(q[u].y, scale[u], inv),
+                               divide_int8(q[u].z, scale[u], inv),
+                               divide_int8(q[u].w, scale[u], inv));
         if (ADD) {
           v = make_float4(__fadd_rn(old[u].x, v.x), __fadd_rn(old[u].y, v.y),
                           __fadd_rn(old[u].z, v.z), __fadd_rn(old[u].w, v.w));
@@ -233,32 +268,59 @@ __global__ void unpack_int8_kernel(const signed char* p, int64_t n, bool vec, co
   }
 }
 
-// Enough resident blocks to keep every SM's memory pipeline full; the loops stride over the rest.
+// Blocks of kThreads that one SM holds at once for `kernel` (its registers decide), asked once.
+template <auto kernel>
+int resident_blocks() {
+  static const int blocks = [] {
+    int b = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, kThreads, 0);
+    return b > 0 ? b : 1;
+  }();
+  return blocks;
+}
+
+// As many blocks as the GPU holds at once (the loops stride over the rest of the work): every
+// SM's memory pipeline full, and no second, partial wave of blocks left running at the end.
+template <auto kernel>
 int grid_for(int64_t work) {
   int device = 0, sms = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  int64_t needed = (work + kThreads - 1) / kThreads;
-  int64_t cap = int64_t(sms > 0 ? sms : 1) * 8;
+  const int64_t needed = (work + kThreads - 1) / kThreads;
+  const int64_t cap = int64_t(sms > 0 ? sms : 1) * resident_blocks<kernel>();
   return int(needed < 1 ? 1 : (needed < cap ? needed : cap));
 }
 
 bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+template <typename T>
+void launch_unpack(const T* packed, int64_t n, bool vec, int64_t work, const float* scale,
+                   float* dst, bool accumulate, cudaStream_t stream) {
+  if (accumulate) {
+    constexpr auto kernel = unpack_kernel<T, true>;
+    kernel<<<grid_for<kernel>(work), kThreads, 0, stream>>>(packed, n, vec, scale, dst);
+  } else {
+    constexpr auto kernel = unpack_kernel<T, false>;
+    kernel<<<grid_for<kernel>(work), kThreads, 0, stream>>>(packed, n, vec, scale, dst);
+  }
+}
 
 }  // namespace
 
 cudaError_t launch_compress(const float* src, int64_t n, bool bf16, void* packed, float* scale,
                             unsigned int* workspace, cudaStream_t stream) {
   const bool vec = aligned(src, 16) && aligned(packed, 8);
-  const int grid = grid_for(vec ? n / 4 : n);
+  const int64_t work = vec ? n / 4 : n;
   cudaMemsetAsync(workspace, 0, sizeof(unsigned int), stream);
-  amax_kernel<<<grid, kThreads, 0, stream>>>(src, n, vec, workspace);
+  amax_kernel<<<grid_for<amax_kernel>(work), kThreads, 0, stream>>>(src, n, vec, workspace);
   if (bf16) {
-    pack_kernel<<<grid, kThreads, 0, stream>>>(src, n, vec, workspace, scale,
-                                               static_cast<__nv_bfloat16*>(packed));
+    constexpr auto pack = pack_kernel<__nv_bfloat16>;
+    pack<<<grid_for<pack>(work), kThreads, 0, stream>>>(src, n, vec, workspace, scale,
+                                                        static_cast<__nv_bfloat16*>(packed));
   } else {
-    pack_kernel<<<grid, kThreads, 0, stream>>>(src, n, vec, workspace, scale,
-                                               static_cast<__half*>(packed));
+    constexpr auto pack = pack_kernel<__half>;
+    pack<<<grid_for<pack>(work), kThreads, 0, stream>>>(src, n, vec, workspace, scale,
+                                                        static_cast<__half*>(packed));
   }
   return cudaGetLastError();
 }
@@ -266,13 +328,14 @@ cudaError_t launch_compress(const float* src, int64_t n, bool bf16, void* packed
 cudaError_t launch_decompress(const void* packed, int64_t n, bool bf16, const float* scale,
                               float* dst, bool accumulate, cudaStream_t stream) {
   const bool vec = aligned(packed, 8) && aligned(dst, 16);
-  const int grid = grid_for(vec ? n / 4 : n);
-  const auto* h = static_cast<const __half*>(packed);
-  const auto* b = static_cast<const __nv_bfloat16*>(packed);
-  if (bf16 && accumulate) unpack_kernel<__nv_bfloat16, true><<<grid, kThreads, 0, stream>>>(b, n, vec, scale, dst);
-  else if (bf16) unpack_kernel<__nv_bfloat16, false><<<grid, kThreads, 0, stream>>>(b, n, vec, scale, dst);
-  else if (accumulate) unpack_kernel<__half, true><<<grid, kThreads, 0, stream>>>(h, n, vec, scale, dst);
-  else unpack_kernel<__half, false><<<grid, kThreads, 0, stream>>>(h, n, vec, scale, dst);
+  const int64_t work = vec ? n / 4 : n;
+  if (bf16) {
+    launch_unpack<__nv_bfloat16>(static_cast<const __nv_bfloat16*>(packed), n, vec, work, scale,
+                                 dst, accumulate, stream);
+  } else {
+    launch_unpack<__half>(static_cast<const __half*>(packed), n, vec, work, scale, dst,
+                          accumulate, stream);
+  }
   return cudaGetLastError();
 }
 
@@ -286,18 +349,31 @@ cudaError_t launch_compress_int8_with_feedback(float* src, int64_t n, signed cha
                                           float* scales, float* error, bool decode,
                                           cudaStream_t stream) {
   const int64_t blocks = int8_blocks(n);
-  const bool vec = aligned(src, 16) && aligned(packed, 4) && (error == nullptr || aligned(error, 16));
-  compress_int8_kernel<<<grid_for(blocks * 32), kThreads, 0, stream>>>(
-      src, n, blocks, vec, scales, packed, error, decode);
+  const bool vec =
+      aligned(src, 16) && aligned(packed, 4) && (error == nullptr || aligned(error, 16));
+  if (error != nullptr) {
+    constexpr auto kernel = compress_int8_kernel<true>;
+    kernel<<<grid_for<kernel>(blocks * 32), kThreads, 0, stream>>>(src, n, blocks, vec, scales,
+                                                                    packed, error, decode);
+  } else {
+    constexpr auto kernel = compress_int8_kernel<false>;
+    kernel<<<grid_for<kernel>(blocks * 32), kThreads, 0, stream>>>(src, n, blocks, vec, scales,
+                                                                    packed, nullptr, false);
+  }
   return cudaGetLastError();
 }
 
 cudaError_t launch_decompress_int8(const signed char* packed, int64_t n, const float* scales,
                                    float* dst, bool accumulate, cudaStream_t stream) {
   const bool vec = aligned(packed, 4) && aligned(dst, 16);
-  const int grid = grid_for(vec ? n / 4 : n);
-  if (accumulate) unpack_int8_kernel<true><<<grid, kThreads, 0, stream>>>(packed, n, vec, scales, dst);
-  else unpack_int8_kernel<false><<<grid, kThreads, 0, stream>>>(packed, n, vec, scales, dst);
+  const int64_t work = vec ? n / 4 : n;
+  if (accumulate) {
+    constexpr auto kernel = unpack_int8_kernel<true>;
+    kernel<<<grid_for<kernel>(work), kThreads, 0, stream>>>(packed, n, vec, scales, dst);
+  } else {
+    constexpr auto kernel = unpack_int8_kernel<false>;
+    kernel<<<grid_for<kernel>(work), kThreads, 0, stream>>>(packed, n, vec, scales, dst);
+  }
   return cudaGetLastError();
 }
 
