@@ -396,6 +396,29 @@ def test_cost_model_fit_and_choice(caplog, monkeypatch):
         torch.empty(1)) == "native"
 
 
+def test_auto_leaves_cuda_tensors_on_gloo_to_the_backend(monkeypatch):
+    """Ranks sharing a GPU over gloo: auto sends CUDA tensors to the backend's all-reduce
+    without timing (its timing on an idle GPU misjudged them, auto.py), CPU tensors of the
+    same size still to the model's pick; not with a codec, nor on another backend."""
+    monkeypatch.setattr(registry.Algorithm, "can_run",
+                        lambda self, group: self.name != "shared_memory")
+    monkeypatch.setattr(auto.devices, "backend_of", lambda group: "gloo")
+    slow_native = cost_model.Costs(alpha=50e-6, hop=40e-6, beta=1e-9, gamma=2e-10,
+                                   native_alpha=1e-3, native_beta=5e-9)
+    on_gpu = types.SimpleNamespace(is_cuda=True, nbytes=64 << 20)
+    chooser = auto.Chooser(_FakeGroup(4), costs=slow_native)  # timed: would run collectives
+    assert chooser.pick(on_gpu) == "native"
+    chooser.tune([on_gpu])
+    assert chooser._picked == {}  # nothing timed or modelled for it
+    untimed = auto.Chooser(_FakeGroup(4), costs=slow_native, timed=False)
+    assert untimed.pick(torch.empty(64 << 20, dtype=torch.uint8)) not in ("native", None)
+    assert untimed.pick(on_gpu) == "native"
+    coded = auto.Chooser(_FakeGroup(4), codec=_IdentityCodec(), costs=slow_native, timed=False)
+    assert coded.pick(on_gpu) != "native"
+    monkeypatch.setattr(auto.devices, "backend_of", lambda group: "nccl")
+    assert auto.Chooser(_FakeGroup(4), costs=slow_native, timed=False).pick(on_gpu) != "native"
+
+
 def _rounds(**rows):
     names = list(rows)
     return torch.tensor([rows[n] for n in names], dtype=torch.float64), names

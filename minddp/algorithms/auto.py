@@ -24,6 +24,15 @@ with auto=False, in registration order, that the group's backend can run
 backend's rules), and with a codec only those that put it on every hop. One
 without a cost formula is timed on every size. Every tensor the timing puts
 on the group is on the group's device (devices.group_device).
+
+CUDA tensors on gloo (ranks sharing a GPU) go to the backend's all-reduce,
+untimed, unless a codec is asked for. minddp's own algorithms reduce them in
+host memory, copied there and back on the communication thread's stream,
+where the copy waits for every kernel the backward has queued before it;
+gloo's CUDA all-reduce copies on its own streams after the bucket's work
+alone. Timed here, on an idle GPU, they can win; in training on one H200
+auto's picks took up to 1.29 times the step of the backend's all-reduce
+(docs/performance.md, "One GPU").
 """
 import functools
 import logging
@@ -37,6 +46,7 @@ from minddp import devices, registry
 from minddp.algorithms import cost_model
 
 log = logging.getLogger("minddp.algorithms")
+NATIVE = "native"  # the backend's own all-reduce (native.py)
 
 _choosers = {}  # (group, codec) -> Chooser: wrappers and calls on one group share its timings
 # (global ranks, backend) -> Costs. Every rank of a group builds the same
@@ -66,6 +76,7 @@ class Chooser:
         self.costs = costs if costs is not None or self.alone else _costs_of(group)
         self._picked = {}
         self._predicted_only = set()  # sizes picked by the model alone: tune() times them
+        self._cuda_to_backend = None  # CUDA tensors go to native untimed (the module's doc)
 
     def tune(self, tensors, timed=True):
         """Decide now for each tensor's size (a collective: every rank, same tensors).
@@ -83,6 +94,8 @@ class Chooser:
         # Later calls cost one lookup: an all-reduce of a few bytes is all
         # per-call overhead, a fraction of a millisecond, so every microsecond
         # of Python here shows.
+        if tensor.is_cuda and self._leaves_cuda_to_backend():
+            return NATIVE
         nbytes = tensor.nbytes
         picked = self._picked.get(nbytes)
         if picked is not None:
@@ -119,6 +132,13 @@ class Chooser:
                   "; measured " + ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in measured.items())
                   if measured else "")
         return self._picked[nbytes]
+
+    def _leaves_cuda_to_backend(self):
+        """Whether CUDA tensors go to the backend's all-reduce (gloo, no codec), untimed."""
+        if self._cuda_to_backend is None:
+            self._cuda_to_backend = (self.codec is None and NATIVE in self.names and
+                                     devices.backend_of(self.group) == "gloo")
+        return self._cuda_to_backend
 
     def _time(self, numel, dtype, device, names, predicted_round):
         """Seconds of each of `names` (rows) per round (columns) on a scratch tensor
