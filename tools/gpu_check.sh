@@ -4,6 +4,9 @@
 #   make gpu-check                                  # log in results/gpu-check.log
 #   make gpu-check GPU_CHECK_LOG=$OUT/gpu-check.log # the log somewhere else, written as it goes
 #   make gpu-check GPU_CHECK_COMMIT=<hash>          # where the copy has no .git to ask
+#   make gpu-check GPU_CHECK_PACK=$OUT/results.tgz  # also the outputs' .json files, packed
+#                                                   # (small enough to come back from a device
+#                                                   # machine: no checkpoints or plots)
 #
 # Steps, each with a header, a time limit and a PASS/FAIL line, then a summary:
 #   1    build minddp._C as `make setup` does; torch.ops.minddp.compress must
@@ -13,7 +16,8 @@
 #        division, bit for bit), then the CUDA cases of tests/test_compression_ops.py
 #   3    tests/test_gpu.py (2 ranks over gloo on one GPU, 1 rank over NCCL)
 #        and tests/test_train.py's AMP test
-#   4a-e compare.py --device cuda on 2 ranks (gloo) and 1 rank (NCCL),
+#   4a-e compare.py --device cuda on 2 ranks (gloo, 12 steps: where auto and the backend's
+#        all-reduce part, 6 gave intervals too wide to say) and 1 rank (NCCL, 6 steps),
 #        kernels.py --device cuda, train.py --amp on 2 ranks and on 1
 #   4f   short steps on 1 NCCL rank: compare.py narrow and transformer (30 steps),
 #        overhead.py (where the wrapper's time goes)
@@ -36,6 +40,7 @@ export PY=$VENV/bin/python
 export RESULTS=${GPU_CHECK_RESULTS:-results/gpu-check}  # benchmark outputs
 PYTHON=${PYTHON:-python3}  # what tools/make_venv.sh builds the venv from
 LOG=${GPU_CHECK_LOG:-results/gpu-check.log}
+PACK=${GPU_CHECK_PACK:-}
 BUDGET=${GPU_CHECK_BUDGET:-480}
 
 # -- the steps (each runs as `bash tools/gpu_check.sh --step NAME ARGS`, under timeout) ------
@@ -114,10 +119,10 @@ step_gpu_tests() {
 # compare.py on `ranks` ranks; init_distributed picks the backend (NCCL when
 # every rank has a GPU of its own, else gloo), checked against `backend`.
 step_compare() {
-    local ranks=$1 backend=$2 out="$RESULTS/compare-$1rank-$2" printed rc
+    local ranks=$1 backend=$2 steps=$3 out="$RESULTS/compare-$1rank-$2" printed rc
     printed=$(mktemp)
     "$PY" -m torch.distributed.run --standalone --nproc_per_node="$ranks" benchmarks/compare.py \
-        --device cuda --steps 6 --warmup 2 --out "$out" 2>&1 | tee "$printed"
+        --device cuda --steps "$steps" --warmup 2 --out "$out" 2>&1 | tee "$printed"
     rc=${PIPESTATUS[0]}
     if [ "$rc" -eq 0 ] && ! grep -q "backend $backend" "$printed"; then
         echo "gpu-check: compare.py did not run on $backend (its first line names the backend)"
@@ -310,8 +315,8 @@ main() {
     run_step 1  "build minddp._C with CUDA kernels (make setup)"            300 build
     run_step 2  "CUDA kernel checks (int8 division, test_compression_ops)"  150 kernel_tests
     run_step 3  "multi-process GPU tests (tests/test_gpu.py, AMP test)"     270 gpu_tests
-    run_step 4a "compare.py --device cuda, 2 ranks on one GPU (gloo)"       150 compare 2 gloo
-    run_step 4b "compare.py --device cuda, 1 rank (NCCL)"                   120 compare 1 nccl
+    run_step 4a "compare.py --device cuda, 2 ranks on one GPU (gloo)"       150 compare 2 gloo 12
+    run_step 4b "compare.py --device cuda, 1 rank (NCCL)"                   120 compare 1 nccl 6
     run_step 4c "kernels.py --device cuda"                                   90 kernels_bench
     run_step 4d "train.py --amp, 2 ranks on one GPU (gloo)"                 120 train 2 gloo
     run_step 4e "train.py --amp, 1 rank (NCCL)"                              90 train 1 nccl
@@ -329,4 +334,9 @@ main() {
 
 mkdir -p "$(dirname "$LOG")" "$RESULTS"
 main 2>&1 | tee "$LOG"
-exit "${PIPESTATUS[0]}"
+status=${PIPESTATUS[0]}
+if [ -n "$PACK" ]; then
+    (cd "$RESULTS" && find . -name '*.json' -print0 | tar czf - --null -T -) > "$PACK" &&
+        echo "gpu-check: the outputs' .json files packed into $PACK"
+fi
+exit "$status"
