@@ -16,7 +16,7 @@ __global__ void compare(uint32_t first, uint32_t count, unsigned long long* wron
   for (uint32_t k = blockIdx.x * blockDim.x + threadIdx.x; k < count; k += stride) {
     const float scale = __uint_as_float(first + k);
     const float inv = __frcp_rn(scale);
-    for (int q = -127; q <= 127; ++q) {
+    for (int q = -128; q <= 127; ++q) {
       const float got = minddp::divide_int8(float(q), scale, inv);
       if (__float_as_uint(got) != __float_as_uint(__fdiv_rn(float(q), scale)) &&
           atomicAdd(wrong, 1ull) == 0) {
@@ -43,7 +43,7 @@ int main() {
     std::printf("check_int8_division: %s\n", cudaGetErrorString(err));
     return 2;
   }
-  const double pairs = double(last - first + 1) * 255;
+  const double pairs = double(last - first + 1) * 256;
   if (*wrong != 0) {
     float scale;
     std::memcpy(&scale, &example[0], sizeof scale);
@@ -51,7 +51,7 @@ int main() {
                 "e.g. q = %d, scale = %a\n", *wrong, pairs, int(example[1]), scale);
     return 1;
   }
-  std::printf("check_int8_division: PASS: all %.3g quotients (q in [-127, 127], scale in "
+  std::printf("check_int8_division: PASS: all %.3g quotients (q in [-128, 127], scale in "
               "[2^-100, 2^100]) equal __fdiv_rn's bit for bit\n", pairs);
   return 0;
 }

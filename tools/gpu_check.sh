@@ -106,9 +106,13 @@ pytest_nothing_skipped() {
 step_kernel_tests() {
     local nvcc check
     nvcc=$("$PY" -c "from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME)")/bin/nvcc
-    check=$(mktemp -d)/check_int8_division
-    "$nvcc" -O3 -std=c++17 -arch=native tools/check_int8_division.cu -o "$check" &&
-        "$check" || return 1
+    local dir rc
+    dir=$(mktemp -d)
+    check=$dir/check_int8_division
+    "$nvcc" -O3 -std=c++17 -arch=native tools/check_int8_division.cu -o "$check" && "$check"
+    rc=$?
+    rm -rf "$dir"
+    [ "$rc" -eq 0 ] || return 1
     pytest_nothing_skipped tests/test_compression_ops.py -k cuda
 }
 

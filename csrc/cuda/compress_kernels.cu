@@ -139,8 +139,8 @@ static_assert(kInt8Block % 128 == 0, "an int8 block must split into 4-value grou
 // With FEEDBACK (compress_with_feedback) the values packed are x - error, and error
 // becomes decoded - (x - error) where finite, 0 elsewhere (int8_record_scalar);
 // with `decode`, x = decoded as well. A template parameter, not a null check, and a register
-// bound: the plain compress fits 4 blocks an SM (62 registers, no spills; 2 without), the
-// wait on each warp's loads hidden by twice as many warps.
+// bound: the plain compress fits 4 blocks an SM (sm_90: 62 registers, no spills; 2 without),
+// the wait on each warp's loads hidden by twice as many warps.
 template <bool FEEDBACK>
 __global__ void __launch_bounds__(kThreads, FEEDBACK ? 2 : 4)
 compress_int8_kernel(float* x, int64_t n, int64_t blocks, bool vec, float* scales,
@@ -221,7 +221,7 @@ compress_int8_kernel(float* x, int64_t n, int64_t blocks, bool vec, float* scale
 // 4-byte load in flight a thread leaves the kernel waiting on memory latency. Lane t of a warp
 // takes group t of each 32, so every load and store instruction of a warp is contiguous
 // (sixteen values a thread from one 16-byte load were slower: a warp's stores then land 64 bytes
-// apart). Bounded to 6 blocks an SM (3 adding): 40 registers (64), no spills.
+// apart). Bounded to 6 blocks an SM (3 adding): on sm_90 40 registers (64), no spills.
 constexpr int kUnroll = 4;
 
 template <bool ADD>
