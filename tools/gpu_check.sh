@@ -104,9 +104,8 @@ pytest_nothing_skipped() {
 }
 
 step_kernel_tests() {
-    local nvcc check
+    local nvcc dir check rc
     nvcc=$("$PY" -c "from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME)")/bin/nvcc
-    local dir rc
     dir=$(mktemp -d)
     check=$dir/check_int8_division
     "$nvcc" -O3 -std=c++17 -arch=native tools/check_int8_division.cu -o "$check" && "$check"
