@@ -21,6 +21,8 @@
 #        kernels.py --device cuda, train.py --amp on 2 ranks and on 1
 #   4f   short steps on 1 NCCL rank: compare.py narrow and transformer (30 steps),
 #        overhead.py (where the wrapper's time goes)
+#   4g   benchmarks/int8_compress_variants.cu: int8 compress against a candidate kernel
+#        (fails only if their outputs differ)
 # A pytest step fails if anything in it is skipped: on a GPU machine nothing
 # may be. After a failed step the others still run (a GPU session is short:
 # it should report all it can), unless step 1 left no virtual environment.
@@ -103,15 +105,25 @@ pytest_nothing_skipped() {
     return "$rc"
 }
 
-step_kernel_tests() {
-    local nvcc dir check rc
-    nvcc=$("$PY" -c "from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME)")/bin/nvcc
+# A standalone CUDA program (no torch), built with torch's nvcc for this GPU, then run.
+run_cuda_program() {
+    local home nvcc dir rc
+    home=$("$PY" -c "from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or '')")
+    nvcc=${home:+$home/bin/nvcc}
+    nvcc=${nvcc:-$(command -v nvcc)}
+    if [ -z "$nvcc" ]; then
+        echo "gpu-check: no nvcc (torch finds no CUDA_HOME, and none is on PATH)"
+        return 1
+    fi
     dir=$(mktemp -d)
-    check=$dir/check_int8_division
-    "$nvcc" -O3 -std=c++17 -arch=native tools/check_int8_division.cu -o "$check" && "$check"
+    "$nvcc" -O3 -std=c++17 -arch=native "$1" -o "$dir/program" && "$dir/program"
     rc=$?
     rm -rf "$dir"
-    [ "$rc" -eq 0 ] || return 1
+    return "$rc"
+}
+
+step_kernel_tests() {
+    run_cuda_program tools/check_int8_division.cu || return 1
     pytest_nothing_skipped tests/test_compression_ops.py -k cuda
 }
 
@@ -163,6 +175,10 @@ step_short_steps() {
         --out "$RESULTS/short-steps-1rank-nccl" &&
         "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 benchmarks/overhead.py \
             --device cuda --steps 200 --out "$RESULTS/overhead-1rank-nccl"
+}
+
+step_compress_candidate() {
+    run_cuda_program benchmarks/int8_compress_variants.cu
 }
 
 step_kernels_bench() {
@@ -324,6 +340,7 @@ main() {
     run_step 4d "train.py --amp, 2 ranks on one GPU (gloo)"                 120 train 2 gloo
     run_step 4e "train.py --amp, 1 rank (NCCL)"                              90 train 1 nccl
     run_step 4f "short steps, 1 rank (NCCL): compare.py narrow, overhead.py" 120 short_steps
+    run_step 4g "int8 compress against a candidate kernel"                   60 compress_candidate
     echo
     echo "=== summary: ${SECONDS}s in all"
     printf '%s\n' "${SUMMARY[@]}"
