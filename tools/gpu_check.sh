@@ -21,7 +21,7 @@
 #        kernels.py --device cuda, train.py --amp on 2 ranks and on 1
 #   4f   short steps on 1 NCCL rank: compare.py narrow and transformer (30 steps),
 #        overhead.py (where the wrapper's time goes)
-#   4g   benchmarks/int8_compress_variants.cu: int8 compress against a candidate kernel
+#   4g   benchmarks/compress_variants.cu: the compress kernels against candidates
 #        (fails only if their outputs differ)
 # A pytest step fails if anything in it is skipped: on a GPU machine nothing
 # may be. After a failed step the others still run (a GPU session is short:
@@ -178,7 +178,7 @@ step_short_steps() {
 }
 
 step_compress_candidate() {
-    run_cuda_program benchmarks/int8_compress_variants.cu
+    run_cuda_program benchmarks/compress_variants.cu
 }
 
 step_kernels_bench() {
@@ -340,7 +340,7 @@ main() {
     run_step 4d "train.py --amp, 2 ranks on one GPU (gloo)"                 120 train 2 gloo
     run_step 4e "train.py --amp, 1 rank (NCCL)"                              90 train 1 nccl
     run_step 4f "short steps, 1 rank (NCCL): compare.py narrow, overhead.py" 120 short_steps
-    run_step 4g "int8 compress against a candidate kernel"                   60 compress_candidate
+    run_step 4g "compress kernels against candidates (compress_variants.cu)" 60 compress_candidate
     echo
     echo "=== summary: ${SECONDS}s in all"
     printf '%s\n' "${SUMMARY[@]}"
