@@ -291,17 +291,21 @@ int grid_for(int64_t work) {
   return int(needed < 1 ? 1 : (needed < cap ? needed : cap));
 }
 
+// `kernel` on grid_for(work) blocks of kThreads: every launch here sizes its grid one way.
+template <auto kernel, typename... Args>
+void launch(int64_t work, cudaStream_t stream, Args... args) {
+  kernel<<<grid_for<kernel>(work), kThreads, 0, stream>>>(args...);
+}
+
 bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 template <typename T>
 void launch_unpack(const T* packed, int64_t n, bool vec, int64_t work, const float* scale,
                    float* dst, bool accumulate, cudaStream_t stream) {
   if (accumulate) {
-    constexpr auto kernel = unpack_kernel<T, true>;
-    kernel<<<grid_for<kernel>(work), kThreads, 0, stream>>>(packed, n, vec, scale, dst);
+    launch<unpack_kernel<T, true>>(work, stream, packed, n, vec, scale, dst);
   } else {
-    constexpr auto kernel = unpack_kernel<T, false>;
-    kernel<<<grid_for<kernel>(work), kThreads, 0, stream>>>(packed, n, vec, scale, dst);
+    launch<unpack_kernel<T, false>>(work, stream, packed, n, vec, scale, dst);
   }
 }
 
@@ -312,15 +316,13 @@ cudaError_t launch_compress(const float* src, int64_t n, bool bf16, void* packed
   const bool vec = aligned(src, 16) && aligned(packed, 8);
   const int64_t work = vec ? n / 4 : n;
   cudaMemsetAsync(workspace, 0, sizeof(unsigned int), stream);
-  amax_kernel<<<grid_for<amax_kernel>(work), kThreads, 0, stream>>>(src, n, vec, workspace);
+  launch<amax_kernel>(work, stream, src, n, vec, workspace);
   if (bf16) {
-    constexpr auto pack = pack_kernel<__nv_bfloat16>;
-    pack<<<grid_for<pack>(work), kThreads, 0, stream>>>(src, n, vec, workspace, scale,
-                                                        static_cast<__nv_bfloat16*>(packed));
+    launch<pack_kernel<__nv_bfloat16>>(work, stream, src, n, vec, workspace, scale,
+                                       static_cast<__nv_bfloat16*>(packed));
   } else {
-    constexpr auto pack = pack_kernel<__half>;
-    pack<<<grid_for<pack>(work), kThreads, 0, stream>>>(src, n, vec, workspace, scale,
-                                                        static_cast<__half*>(packed));
+    launch<pack_kernel<__half>>(work, stream, src, n, vec, workspace, scale,
+                                static_cast<__half*>(packed));
   }
   return cudaGetLastError();
 }
@@ -352,13 +354,11 @@ cudaError_t launch_compress_int8_with_feedback(float* src, int64_t n, signed cha
   const bool vec =
       aligned(src, 16) && aligned(packed, 4) && (error == nullptr || aligned(error, 16));
   if (error != nullptr) {
-    constexpr auto kernel = compress_int8_kernel<true>;
-    kernel<<<grid_for<kernel>(blocks * 32), kThreads, 0, stream>>>(src, n, blocks, vec, scales,
-                                                                    packed, error, decode);
+    launch<compress_int8_kernel<true>>(blocks * 32, stream, src, n, blocks, vec, scales, packed,
+                                       error, decode);
   } else {
-    constexpr auto kernel = compress_int8_kernel<false>;
-    kernel<<<grid_for<kernel>(blocks * 32), kThreads, 0, stream>>>(src, n, blocks, vec, scales,
-                                                                    packed, nullptr, false);
+    launch<compress_int8_kernel<false>>(blocks * 32, stream, src, n, blocks, vec, scales,
+                                        packed, static_cast<float*>(nullptr), false);
   }
   return cudaGetLastError();
 }
@@ -368,11 +368,9 @@ cudaError_t launch_decompress_int8(const signed char* packed, int64_t n, const f
   const bool vec = aligned(packed, 4) && aligned(dst, 16);
   const int64_t work = vec ? n / 4 : n;
   if (accumulate) {
-    constexpr auto kernel = unpack_int8_kernel<true>;
-    kernel<<<grid_for<kernel>(work), kThreads, 0, stream>>>(packed, n, vec, scales, dst);
+    launch<unpack_int8_kernel<true>>(work, stream, packed, n, vec, scales, dst);
   } else {
-    constexpr auto kernel = unpack_int8_kernel<false>;
-    kernel<<<grid_for<kernel>(work), kThreads, 0, stream>>>(packed, n, vec, scales, dst);
+    launch<unpack_int8_kernel<false>>(work, stream, packed, n, vec, scales, dst);
   }
   return cudaGetLastError();
 }
