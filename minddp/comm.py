@@ -15,6 +15,14 @@ unpickling a wrapper needs no new group.
 Futures carry the device of the tensor they return: on CUDA the consumer's
 stream waits for the communication before it reads the result.
 
+Streams: on a CUDA device a queued job runs on the engine's own stream, which
+first waits for an event recorded on the submitter's current stream when it
+submitted, as a collective follows its caller's stream at the call. Run on
+the thread's default stream instead, a job's copies (gloo's CPU staging in
+p2p.py and shared_memory.py) would wait for every kernel backward has queued
+since, and its blocking copies would hold the thread until then: the buckets'
+traffic would not overlap backward at all.
+
 A job marked `job.nonblocking = True` (the backend's asynchronous all-reduce:
 it only queues work on the backend's own threads or streams) runs on the
 caller's thread when nothing is queued or running here, as torch's reducer
@@ -154,6 +162,7 @@ class CommEngine:
         self.check_group = check_group if check_group is not None else side_group  # CPU tensors
         self.device = device  # the device of the tensors the group's collectives take
         self._cuda = cuda     # the CUDA device the thread works on, if any
+        self._stream = None   # the thread's CUDA stream for queued jobs (made on the thread)
         self._world = this_world()  # where the groups are registered, as the thread sees too
         self._jobs = queue.SimpleQueue()
         self._queued = 0  # jobs submitted and not yet issued by the thread
@@ -189,10 +198,19 @@ class CommEngine:
             if not (getattr(job, "nonblocking", False) and self._queued == 0):
                 fut = future_on(device)
                 self._queued += 1
-                self._jobs.put((job, args, fut, label, timeline))
+                self._jobs.put((job, args, fut, label, timeline, None, self._submitted()))
                 return fut
         # here: everything before it has been issued, so the order holds
         return self._run(job, args, None, label, timeline, device)
+
+    def _submitted(self):
+        """An event on the submitter's current stream (CUDA engines only): what the job
+        waits for before it runs."""
+        if self._cuda is None:
+            return None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self._cuda))
+        return ready
 
     def run(self, job, *args, label="job"):
         """submit() and wait: for set-up work that must keep the group's order."""
@@ -222,6 +240,7 @@ class CommEngine:
         enter_world(self._world)
         if self._cuda is not None:  # a new thread starts on cuda:0
             torch.cuda.set_device(self._cuda)
+            self._stream = torch.cuda.Stream(self._cuda)
         while True:
             item = self._jobs.get()
             if item is _STOP:
@@ -233,11 +252,20 @@ class CommEngine:
                     self._queued -= 1
             del item  # drop the finished job's tensors now, not when the next one comes
 
-    def _run(self, job, args, fut, label, timeline, device=None):
+    def _run(self, job, args, fut, label, timeline, device=None, ready=None):
         """Run `job` and pass its result on to `fut`, which is returned. `fut` None (a
         job run on the caller's thread): one is made on `device` where needed, and a
         backend Future the job returns is handed back as it is when no timeline
-        records (no Python call on the backend's thread when it completes)."""
+        records (no Python call on the backend's thread when it completes). `ready`:
+        the event of submit() on a CUDA engine; the job runs on the thread's stream
+        after it, and its result is marked done on that stream."""
+        if ready is None:
+            return self._run_here(job, args, fut, label, timeline, device)
+        self._stream.wait_event(ready)
+        with torch.cuda.stream(self._stream):
+            return self._run_here(job, args, fut, label, timeline, device)
+
+    def _run_here(self, job, args, fut, label, timeline, device):
         if self._error is not None:
             return _failed(fut if fut is not None else future_on(device), self._stopped())
         start = now_us()

@@ -17,6 +17,7 @@ compression gets a tolerance. All ranks must end bitwise identical.
 Skipped without CUDA; `make gpu-check` runs this file on a GPU machine.
 """
 import copy
+import time
 
 import pytest
 import torch
@@ -26,8 +27,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import minddp
-from minddp import registry
-from minddp.algorithms import p2p
+from minddp import comm, registry
+from minddp.algorithms import p2p, ring
 from dist_harness import run_world
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -233,3 +234,32 @@ def test_steady_state_steps_never_wait_for_the_gpu():
     # The replica check's step reads checksums back (1 in 100 steps by default),
     # which the loop above leaves unchecked.
     assert run_world(_steps_without_host_sync, 1, "nccl", timeout=180, backend="nccl") == [10]
+
+
+def _engine_follows_the_submitter(rank, world_size, backend):
+    """A ring sum of a CUDA tensor queued on the communication engine, between two long
+    kernels on the submitting stream: it must read what the first one delayed, and be
+    done while the second one still runs. Returns (sum right, done before the GPU)."""
+    device = _device()
+    engine = comm.engine_for(dist.group.WORLD, device=device)
+    t = torch.zeros(1 << 20, device=device)
+    cycles = int(2e9)  # about a second at an H100's or H200's clock
+    torch.cuda._sleep(cycles // 4)
+    t.fill_(rank + 1.0)  # a job that ran before this would sum zeros
+    fut = engine.submit(ring.all_reduce, t, engine.group, label="test", device=device)
+    torch.cuda._sleep(cycles)  # queued after the job: nothing it must wait for
+    deadline = time.monotonic() + 60
+    while not fut.done() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert fut.done(), f"rank {rank}: the sum did not finish in 60 s"
+    before_the_gpu = not torch.cuda.current_stream().query()
+    fut.wait()
+    right = bool((t == sum(r + 1.0 for r in range(world_size))).all().item())
+    return right, before_the_gpu
+
+
+def test_queued_jobs_wait_for_their_submission_only():
+    # On the thread's default stream the staging copies would wait for the second
+    # kernel (and everything backward queues after a bucket): no overlap at all.
+    results = run_world(_engine_follows_the_submitter, 2, "gloo", timeout=120)
+    assert results == [(True, True)] * 2, results
