@@ -252,3 +252,13 @@ def dies_in_backward(rank, world_size, compression):
         except RuntimeError as e:
             return time.monotonic() - t0, str(e)
     return None, "no error"
+
+
+def time_auto_briefly():
+    """In a rank: auto times each new size in its fewest rounds (FEWEST_ROUNDS), not in
+    up to a second's worth. For tests of what auto sums, not of what it picks (the rounds
+    have tests of their own in test_collectives.py): in a sweep over many sizes the
+    timing is otherwise most of the time."""
+    from minddp.algorithms import auto
+
+    auto.MIN_ROUNDS, auto.SIZE_BUDGET_S = auto.FEWEST_ROUNDS, 0.0

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import minddp
 import strict_group
-from dist_harness import run_world
+from dist_harness import run_world, time_auto_briefly
 from minddp import compression, devices, registry
 from minddp.algorithms import auto
 
@@ -39,6 +39,7 @@ def _digest(tensor):
 
 
 def _sums(rank, world_size):
+    time_auto_briefly()
     group = strict_group.new_group()
     results, digests = {}, {}
     noise = torch.randn(70_000, generator=torch.Generator().manual_seed(rank))

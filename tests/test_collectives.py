@@ -21,7 +21,7 @@ import torch.distributed as dist
 import minddp
 from minddp import registry
 from minddp.algorithms import auto, cost_model, lanes, p2p, ring, tree
-from dist_harness import run_world
+from dist_harness import run_world, time_auto_briefly
 
 # minddp's send/recv algorithms (p2p.py), whose send patterns and segments this file checks:
 # not every per-hop one (shared memory carries codecs too, through memory, not messages).
@@ -150,6 +150,7 @@ def _ring_receive_order(rank, world_size):
 
 
 def _grid(rank, world_size):
+    time_auto_briefly()
     sizes = [0, 1, max(world_size - 1, 1), 2 * world_size + 1, 1000]
     for algorithm in OURS + ["auto"]:
         _check_sums(rank, world_size, algorithm, sizes, DTYPES)
