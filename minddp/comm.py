@@ -198,7 +198,7 @@ class CommEngine:
             if not (getattr(job, "nonblocking", False) and self._queued == 0):
                 fut = future_on(device)
                 self._queued += 1
-                self._jobs.put((job, args, fut, label, timeline, None, self._submitted()))
+                self._jobs.put((job, args, fut, label, timeline, device, self._submitted()))
                 return fut
         # here: everything before it has been issued, so the order holds
         return self._run(job, args, None, label, timeline, device)
@@ -262,10 +262,14 @@ class CommEngine:
         if ready is None:
             return self._run_here(job, args, fut, label, timeline, device)
         self._stream.wait_event(ready)
+        # A future without a CUDA device orders no waiter's stream after this one, so
+        # the job's kernels must be finished before it completes: its waiter may free
+        # a tensor the job still writes, and the allocator hand the memory on.
+        settle = device is None or device.type != "cuda"
         with torch.cuda.stream(self._stream):
-            return self._run_here(job, args, fut, label, timeline, device)
+            return self._run_here(job, args, fut, label, timeline, device, settle)
 
-    def _run_here(self, job, args, fut, label, timeline, device):
+    def _run_here(self, job, args, fut, label, timeline, device, settle=False):
         if self._error is not None:
             return _failed(fut if fut is not None else future_on(device), self._stopped())
         start = now_us()
@@ -274,6 +278,8 @@ class CommEngine:
         try:
             with profiled(f"minddp.{label}"):
                 result = job(*args)
+                if settle:
+                    self._stream.synchronize()
         except Exception as e:  # noqa: BLE001 - handed to the waiting thread
             self._error = e
             return _failed(fut if fut is not None else future_on(device), e)

@@ -243,6 +243,10 @@ def _engine_follows_the_submitter(rank, world_size, backend):
     device = _device()
     engine = comm.engine_for(dist.group.WORLD, device=device)
     t = torch.zeros(1 << 20, device=device)
+    # Once untimed: the first sum connects the ranks and pins its host buffers (an
+    # allocation of pinned memory may wait for the whole device).
+    engine.submit(ring.all_reduce, t, engine.group, label="test", device=device).wait()
+    torch.cuda.synchronize()
     cycles = int(2e9)  # about a second at an H100's or H200's clock
     torch.cuda._sleep(cycles // 4)
     t.fill_(rank + 1.0)  # a job that ran before this would sum zeros

@@ -27,12 +27,12 @@ on the group is on the group's device (devices.group_device).
 
 CUDA tensors on gloo (ranks sharing a GPU) go to the backend's all-reduce,
 untimed, unless a codec is asked for. minddp's own algorithms reduce them in
-host memory, copied there and back on the communication thread's stream,
-where the copy waits for every kernel the backward has queued before it;
-gloo's CUDA all-reduce copies on its own streams after the bucket's work
-alone. Timed here, on an idle GPU, they can win; in training on one H200
-auto's picks took up to 1.29 times the step of the backend's all-reduce
-(docs/performance.md, "One GPU").
+host memory; timed here, on an idle GPU, they can win, but in training on one
+H200 auto's picks took up to 1.29 times the step of the backend's all-reduce
+(docs/performance.md, "One GPU"), when their copies ran on the communication
+thread's default stream, behind every kernel backward had queued. They now run
+on the engine's own stream after the bucket's work alone (comm.py); until a GPU
+has timed them so in training, the backend's all-reduce keeps these buckets.
 """
 import functools
 import logging
