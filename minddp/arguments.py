@@ -69,9 +69,9 @@ def check_arguments(named, rank, device_ids, output_device, bucket_cap_mb, bucke
         raise ValueError(f"{where}: parameters live on several devices ({placed}, ...); "
                          f"move the whole module to one device before wrapping it.")
     device = devices.pop()
-    if device.type == "meta":
-        raise ValueError(f"{where}: the module is on the meta device; materialise it "
-                         f"(module.to_empty(device=...)) and initialise it first.")
+    if device.type == "meta":  # torch's DDP fails here with a RuntimeError (Tensor.item())
+        raise RuntimeError(f"{where}: the module is on the meta device; materialise it "
+                           f"(module.to_empty(device=...)) and initialise it first.")
     if device.type == "cpu" and (device_ids or output_device):  # torch's test and words
         raise ValueError(f"DistributedDataParallel device_ids and output_device arguments only "
                          f"work with single-device/multiple-device GPU modules or CPU modules, "

@@ -60,7 +60,7 @@ def test_construction_errors():
     expect = {
         "no_params": ["RuntimeError", "rank 0", "doesn't have any parameter that requires"],
         "mixed": ["rank 0", "several devices", "move the whole module"],
-        "meta": ["rank 0", "meta device", "to_empty"],
+        "meta": ["RuntimeError", "rank 0", "meta device", "to_empty"],  # torch's type
         "cap": ["rank 0", "bucket_cap_mb must be a number", "'25'"],
         "group": ["TypeError", "rank 0", "must be a torch.distributed.ProcessGroup", "int 5"],
         "not_member": ["TypeError", "rank 0", "NON_GROUP_MEMBER", "not in that group"],
