@@ -22,6 +22,11 @@ class FakeCuda:
         self.current = "submitter"  # the stream the caller's thread has current
         self.engine_streams = []
 
+    def job(self, x):
+        """A job that notes the stream it runs on."""
+        self.calls.append(("job", self.current))
+        return x + 1
+
     def install(self, monkeypatch):
         fake = self
 
@@ -67,12 +72,8 @@ def test_a_queued_cuda_job_runs_on_the_engines_stream_after_its_submission(monke
     fake = FakeCuda()
     engine = _engine(fake, monkeypatch)
     try:
-        def job(x):
-            fake.calls.append(("job", fake.current))
-            return x + 1
-
-        assert engine.submit(job, 1, label="test").wait() == 2
-        assert engine.run(job, 2, label="test") == 3
+        assert engine.submit(fake.job, 1, label="test").wait() == 2
+        assert engine.run(fake.job, 2, label="test") == 3
     finally:
         engine.close()
     assert len(fake.engine_streams) == 1, f"{len(fake.engine_streams)} streams made: {fake.calls}"
@@ -88,11 +89,10 @@ def test_a_nonblocking_job_run_on_the_callers_thread_takes_its_stream(monkeypatc
     engine = _engine(fake, monkeypatch)
     try:
         def job(x):
-            fake.calls.append(("job", fake.current))
-            return x
+            return fake.job(x)
 
         job.nonblocking = True  # the backend's asynchronous all-reduce, with nothing queued
-        assert engine.submit(job, 5, label="test").wait() == 5
+        assert engine.submit(job, 5, label="test").wait() == 6
     finally:
         engine.close()
     assert fake.calls == [("job", "submitter")], fake.calls
