@@ -20,8 +20,8 @@ first waits for an event recorded on the submitter's current stream when it
 submitted, as a collective follows its caller's stream at the call. Run on
 the thread's default stream instead, a job's copies (gloo's CPU staging in
 p2p.py and shared_memory.py) would wait for every kernel backward has queued
-since, and its blocking copies would hold the thread until then: the buckets'
-traffic would not overlap backward at all.
+since, and its blocking copies would hold the thread until then: a bucket's
+traffic could not start before the GPU had caught up with the training thread.
 
 A job marked `job.nonblocking = True` (the backend's asynchronous all-reduce:
 it only queues work on the backend's own threads or streams) runs on the

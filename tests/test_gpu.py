@@ -17,6 +17,7 @@ compression gets a tolerance. All ranks must end bitwise identical.
 Skipped without CUDA; `make gpu-check` runs this file on a GPU machine.
 """
 import copy
+import threading
 import time
 
 import pytest
@@ -248,10 +249,15 @@ def _engine_follows_the_submitter(rank, world_size, backend):
     engine.submit(ring.all_reduce, t, engine.group, label="test", device=device).wait()
     torch.cuda.synchronize()
     cycles = int(2e9)  # about a second at an H100's or H200's clock
+    # The thread holds at a gate until the second kernel is queued, so that the sum's
+    # copies are issued after it, as a bucket's are after later backward kernels.
+    gate = threading.Event()
+    engine.submit(gate.wait, 60, label="gate")
     torch.cuda._sleep(cycles // 4)
     t.fill_(rank + 1.0)  # a job that ran before this would sum zeros
     fut = engine.submit(ring.all_reduce, t, engine.group, label="test", device=device)
     torch.cuda._sleep(cycles)  # queued after the job: nothing it must wait for
+    gate.set()
     deadline = time.monotonic() + 60
     while not fut.done() and time.monotonic() < deadline:
         time.sleep(0.001)

@@ -31,8 +31,9 @@ host memory; timed here, on an idle GPU, they can win, but in training on one
 H200 auto's picks took up to 1.29 times the step of the backend's all-reduce
 (docs/performance.md, "One GPU"), when their copies ran on the communication
 thread's default stream, behind every kernel backward had queued. They now run
-on the engine's own stream after the bucket's work alone (comm.py); until a GPU
-has timed them so in training, the backend's all-reduce keeps these buckets.
+on the engine's own stream, after what was queued before the bucket's submission
+only (comm.py); until a GPU has timed them so in training, the backend's
+all-reduce keeps these buckets.
 """
 import functools
 import logging
