@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join as TorchJoin, _JoinConfig
+from torch.nn.parallel.distributed import _BufferCommHookLocation
 from torch.utils import _pytree as pytree
 
 from minddp import arguments
@@ -413,7 +414,9 @@ class DistributedDataParallel(TorchDDP):
         if grad_enabled:
             self.reducer.forward_started()
         buffers = []
-        if self.world_size > 1 and self.will_sync_module_buffers():
+        if self._buffer_hook_due(_BufferCommHookLocation.PRE_FORWARD):
+            self._sync_buffers()  # torch's: the hook instead of the broadcast
+        elif self.world_size > 1 and self.will_sync_module_buffers():
             self._assign_modules_buffers()
             buffers = self.modules_buffers
         # torch's DDP, once any join has been entered, takes buffers from the highest rank
@@ -438,6 +441,29 @@ class DistributedDataParallel(TorchDDP):
                                         torch.device(self.device.type, self.device_ids[0]))
         return inputs, kwargs
 
+    def _buffer_hook_due(self, location):
+        """Whether the hook of `_register_buffer_comm_hook` syncs the buffers at
+        `location` in this forward (torch's rule: where the broadcast would)."""
+        hook = getattr(self, "buffer_hook", None)
+        return (hook is not None and hook.buffer_comm_hook_location == location and
+                self.will_sync_module_buffers())
+
+    def _register_buffer_comm_hook(self, state, hook,
+                                   comm_hook_location=_BufferCommHookLocation.POST_FORWARD):
+        """torch's private seam: `hook(state, named_buffers)` syncs the buffers before or
+        after each forward in place of the broadcast from rank 0. Futures it returns are
+        waited for at the end of the next synced backward (Reducer.install_futures)."""
+        if self._join is not None or self._generic_join is not None:
+            self._refuse_buffer_hook_with_join()
+        super()._register_buffer_comm_hook(state, hook, comm_hook_location)
+
+    def _refuse_buffer_hook_with_join(self):
+        self._log_and_throw(NotImplementedError, (
+            f"minddp (rank {self.reducer.rank}): a buffer comm hook "
+            f"(_register_buffer_comm_hook) and join() do not go together in minddp: a joined "
+            f"rank would not run the hook's collectives, and its peers would wait for them. "
+            f"Use join() without the hook, or the hook with even inputs."))
+
     def _setup_in_backward_optimizers(self):
         """Optimizers from `_apply_optimizer_in_backward` step at finalize, on the
         averaged gradients, not in their own hooks on this rank's (optim_in_backward.py)."""
@@ -457,6 +483,8 @@ class DistributedDataParallel(TorchDDP):
     def _post_forward(self, outputs):
         if self._use_python_reducer:
             return outputs
+        if self._buffer_hook_due(_BufferCommHookLocation.POST_FORWARD):
+            self._sync_buffers()
         if torch.is_grad_enabled() and self._recomputing():
             return outputs
         if not (torch.is_grad_enabled() and self.require_backward_grad_sync):
@@ -475,6 +503,8 @@ class DistributedDataParallel(TorchDDP):
         """Context manager for uneven inputs: ranks that run out of batches keep
         matching the others' communication until every rank is done (join.py)."""
         self.logger._set_uneven_input_join()  # also when not enabled, as torch logs it
+        if enable and hasattr(self, "buffer_hook"):
+            self._refuse_buffer_hook_with_join()
         # torch's join is Join([self]), which leaves this config behind (see _pre_forward)
         self._join_config = _JoinConfig(enable=enable,
                                         throw_on_early_termination=throw_on_early_termination,
@@ -536,6 +566,8 @@ class DistributedDataParallel(TorchDDP):
         hook a joined rank runs to match the others' steps (join.JoinHook). torch's Join
         raises early termination itself, so minddp's join here never throws."""
         self.logger._set_uneven_input_join()
+        if hasattr(self, "buffer_hook"):
+            self._refuse_buffer_hook_with_join()
         self._generic_join = Join(self, divide_by_initial_world_size, False)
         return JoinHook(self._generic_join)
 
@@ -658,9 +690,6 @@ _TORCH_PRIVATE_NOT_PROVIDED = (
     "_get_parameters", "_run_ddp_forward", "_clear_grad_buffer", "_lazy_init",
     "_check_global_requires_backward_grad_sync", "_check_and_sync_module_buffers",
     "_sync_final_model", "_match_all_reduce_for_bwd_pass", "_match_unused_params_allreduce",
-    "_register_buffer_comm_hook", "_register_fused_optim", "_distributed_broadcast_coalesced",
-    "_check_sync_bufs_post_fwd", "_check_sync_bufs_pre_fwd",
-    "_find_common_rank", "_sync_buffers", "_sync_module_buffers", "_default_broadcast_coalesced",
     "_passing_sync_batchnorm_handle", "_set_sparse_metadata", "_update_process_group",
 )
 

@@ -63,6 +63,7 @@ from minddp.errors import first_line, invariant, warn_as_reducer
 from minddp.grad_bucket import GradBucket
 from minddp.graph import reached_parameters
 from minddp.overlap import PLAN_AT, Recorder
+from minddp.reduction import HOOK
 from minddp.rpc_grads import current_context, gradients
 from minddp.step_check import StepCheck
 from minddp.timeline import now_us, profiled
@@ -145,6 +146,7 @@ class Reducer:
         # Indices of the parameters whose optimizers run in backward, stepped at finalize
         # on their averages (optim_in_backward.py; the wrapper sets it at its first forward).
         self.stepped_in_backward = frozenset()
+        self._installed = []  # futures finalize waits for last (install_futures)
         self.phase = Phase.IDLE
 
     @property
@@ -511,13 +513,17 @@ class Reducer:
                   "all launched: finalize ran before every bucket was filled and launched; "
                   "it would wait for a bucket never sent, or write back stale gradients")
         used = self._used_lookup()
+        # The replica check reads the weights on the communication thread, so it waits
+        # for whatever changes them in backward: optimizers run in backward, and a comm
+        # hook's callbacks, which may step one (torch's _hook_then_optimizer does).
+        late_check = self.stepped_in_backward or self.reduction.kind == HOOK
         for b, bucket in enumerate(self.buckets):
             # Each bucket is written as soon as it is reduced, as torch's
             # finalize does: writing one overlaps the next one's communication.
             result = self._collect(b)
             if b == 0:  # before any .grad is written
                 self.step_check.verify(self.forwards, self.buckets, self._wait_step_check)
-                if not self.stepped_in_backward:
+                if not late_check:
                     self._launch_replica_check()
             if bucket.sparse:  # .grad is the bucket: the sum goes into it, as in torch
                 if result is not bucket.buffer:
@@ -530,14 +536,29 @@ class Reducer:
                 optim_in_backward.step(bucket, views, self.stepped_in_backward)
         if self.stepped_in_backward:
             optim_in_backward.clear(self.params, self.stepped_in_backward)
-            # Only now: the check reads the weights on the communication thread, and
-            # the optimizers above were changing them.
+        if late_check:
             self._launch_replica_check()
         if self._used_future is not None:
             self._used_map()  # its reduction must not outlive the iteration
         self._replicas_agreed()
+        if self._installed:  # as torch's finalize: after every bucket is written
+            installed, self._installed = self._installed, []
+            self._wait(torch.futures.collect_all(installed), "the installed futures",
+                       "install_futures (a buffer comm hook's)")
         if self.find_unused:
             self.local_used.zero_()  # the next accumulation starts afresh
+
+    def install_futures(self, futures):
+        """torch's reducer seam (`_install_post_backward_futures`, fed by a buffer comm
+        hook): the next synced backward's finalize waits for `futures` after its buckets."""
+        if not (isinstance(futures, (list, tuple)) and
+                all(isinstance(f, torch._C.Future) for f in futures)):  # as torch's binding
+            raise TypeError(f"minddp (rank {self.rank}): install_futures takes a list of "
+                            f"torch.futures.Future; a buffer comm hook returns such a list "
+                            f"or None (got {futures!r}).")
+        self._installed.extend(futures)
+
+    _install_post_backward_futures = install_futures
 
     def _used_lookup(self):
         """index -> whether any rank used the parameter, or None when every one
@@ -691,7 +712,8 @@ class Reducer:
             self.progress.abandon(f"abandoned iteration {self.iterations}: its backward did not "
                                   f"finish (buckets {_spans(waiting)} never launched)")
         launched = [f for f in [self.step_check.future, self._replica_future, *self._futures,
-                                self._used_future] if f is not None]
+                                self._used_future, *self._installed] if f is not None]
+        self._installed = []
         for future in launched:  # so that none of it can pair with a later iteration
             try:  # a peer that broke too leaves a note, which ends the wait at once
                 self._wait(future, "a bucket of the broken iteration")

@@ -49,7 +49,10 @@ peer's note): never a hang.
 - static_graph: the first backward reduces everything at its end, and its
   finalize submits the check as any other.
 - a comm hook: it communicates on its own group; the check is on the gradient
-  group, in its place before the buckets there, and does not touch the hook.
+  group and does not touch the hook. It is submitted once every bucket is
+  written, not after bucket 0: a hook's callbacks may step an optimizer
+  (torch's _hook_then_optimizer, `_register_fused_optim`), and the weights
+  must be read after every one of them.
   torch's local SGD hook (post_localSGD_hook) and noop_hook turn the check
   off: from its start step each rank's weights move on their own between
   model averagings, by design (keeps_replicas_apart).

@@ -123,6 +123,23 @@ class OtherPair(NamedTuple):
     b: torch.Tensor
 
 
+class NetWithBuffers(nn.Module):
+    """upstream's model of that name: its forward adds one to its buffer where
+    `counts` (upstream's buffer-hook tests), else leaves it alone."""
+
+    def __init__(self, counts=True):
+        super().__init__()
+        self.a = nn.Linear(10, 10, bias=False)
+        self.b = nn.Linear(10, 1, bias=False)
+        self.register_buffer("buffer", torch.randn(1, 2))
+        self.counts = counts
+
+    def forward(self, x):
+        if self.counts:
+            self.buffer.add_(1)
+        return self.b(self.a(x))
+
+
 class PortedDDPTests:
     """Mixed into the TestDistBackend suite by worker.py."""
 
@@ -1122,23 +1139,85 @@ class PortedDDPTests:
     def test_ported_ddp_broadcast_buffer(self):
         """Rank 0 replaces its buffer with a new tensor before each forward; the
         forward makes every rank's buffer equal to rank 0's."""
-        class Model(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.a = nn.Linear(10, 10, bias=False)
-                self.b = nn.Linear(10, 1, bias=False)
-                self.register_buffer("buffer", torch.randn(1, 2))
-
-            def forward(self, x):
-                return self.b(self.a(x))
-
         torch.manual_seed(self.rank)
-        ddp = wrap(Model())
+        ddp = wrap(NetWithBuffers(counts=False))
         for _ in range(2):
             if self.rank == 0:
                 ddp.module.buffer = ddp.module.buffer + 1
             ddp(inputs_of(self.rank, 2, 10)).sum().backward()
             self._same_on_all_ranks([ddp.module.buffer])
+
+    def _buffer_hook_against_manual_sums(self, return_futures):
+        """Buffers synced by a hook that all-reduces them, before or after the forward,
+        equal a plain wrapper's (broadcast_buffers=False) all-reduced by hand at the same
+        point. With futures returned, the wrapper waits for them at backward's end, so
+        the comparison is made then; before the forward, not at all (the forward's
+        in-place update races the all-reduce in flight, as upstream notes)."""
+        def hook(ddp, named_buffers):
+            futures = [dist.all_reduce(b, group=ddp.process_group, async_op=True).get_future()
+                       for b in named_buffers.values()]
+            if return_futures:
+                return futures
+            torch.futures.collect_all(futures).wait()
+
+        where = nn.parallel.distributed._BufferCommHookLocation
+        for location in (where.PRE_FORWARD, where.POST_FORWARD):
+            with case(location=location):
+                torch.manual_seed(self.rank)
+                hooked = wrap(NetWithBuffers())
+                hooked._register_buffer_comm_hook(hooked, hook, location)
+                plain = wrap(copy.deepcopy(hooked.module), broadcast_buffers=False)
+                x = inputs_of(self.rank, 2, 10)
+                for _ in range(2):
+                    loss_hooked = hooked(x).sum()
+                    if location == where.PRE_FORWARD:
+                        dist.all_reduce(plain.module.buffer)
+                    loss_plain = plain(x).sum()
+                    if location == where.POST_FORWARD:
+                        dist.all_reduce(plain.module.buffer)
+                    if not return_futures:
+                        self.assertEqual(hooked.module.buffer, plain.module.buffer)
+                    loss_hooked.backward()
+                    loss_plain.backward()
+                    if not (return_futures and location == where.PRE_FORWARD):
+                        self.assertEqual(hooked.module.buffer, plain.module.buffer)
+                        self._same_on_all_ranks([hooked.module.buffer])
+
+    def test_ported_ddp_buffer_hook_allreduce(self):
+        self._buffer_hook_against_manual_sums(return_futures=False)
+
+    def test_ported_ddp_buffer_hook_allreduce_return_future(self):
+        self._buffer_hook_against_manual_sums(return_futures=True)
+
+    def test_ported_ddp_broadcast_buffer_via_hook(self):
+        """A buffer hook that calls the wrapper's own _default_broadcast_coalesced
+        leaves the buffers a plain wrapper's broadcast leaves, on every rank."""
+        torch.manual_seed(self.rank)
+        hooked = wrap(NetWithBuffers())
+        hooked._register_buffer_comm_hook(
+            hooked, lambda ddp, named: ddp._default_broadcast_coalesced(list(named.values())))
+        plain = wrap(copy.deepcopy(hooked.module))
+        x = inputs_of(self.rank, 2, 10)
+        for _ in range(2):
+            loss_hooked, loss_plain = hooked(x).sum(), plain(x).sum()
+            self.assertEqual(hooked.module.buffer, plain.module.buffer)
+            self._same_on_all_ranks([hooked.module.buffer])
+            loss_hooked.backward()
+            loss_plain.backward()
+
+    def test_ported_get_data_parallel_params(self):
+        """A parameter set to be ignored before wrapping is left out of
+        _get_data_parallel_params. Upstream's check of the named form only asserts no
+        name carries a "module." prefix (torch's filter misses that form)."""
+        model = nn.Sequential(nn.Linear(10, 10, bias=False), nn.Linear(10, 10, bias=False))
+        ddp_class = nn.parallel.DistributedDataParallel
+        ddp_class._set_params_and_buffers_to_ignore_for_model(model, ["0.weight"])
+        wrap(model)
+        for name, _ in ddp_class._get_data_parallel_params(model, named_params=True):
+            self.assertFalse(name.startswith("module."))
+        kept = list(ddp_class._get_data_parallel_params(model))
+        self.assertEqual(len(kept), 1)
+        self.assertIs(kept[0], model[1].weight)
 
     @needs_torch_keyword("forward_sync_buffers")
     def test_ported_ddp_join_respects_forward_sync_buffers_false(self):

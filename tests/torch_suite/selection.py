@@ -36,14 +36,12 @@ _OPTIM_IN_BACKWARD = ("_apply_optimizer_in_backward: on CPU torch's DDP raises (
                       "test_torch_surface.py checks minddp against what this test expects")
 _PROFILER = ("counts torch profiler events named after torch's reducer internals; "
              "also skipped upstream")
-_BUFFER_HOOK = "torch-private _register_buffer_comm_hook"
 
 EXCLUDED = {
     "test_dump_DDP_relevant_env_vars": "torch-internal _dump_DDP_relevant_env_vars; builds no DDP",
     "test_DistributedDataParallel": ("GPU device placement (device_ids, output_device); its CPU "
                                      "twin test_DistributedDataParallelCPU is selected"),
     "test_DistributedDataParallel_non_default_stream": "CUDA streams; also skipped upstream",
-    "test_get_data_parallel_params": "torch-private static DDP._get_data_parallel_params",
     "test_ddp_apply_optim_in_backward": _OPTIM_IN_BACKWARD,
     "test_ddp_apply_optim_in_backward_grad_as_bucket_view_false": _OPTIM_IN_BACKWARD,
     "test_ddp_apply_optim_in_backward_ignored_params": _OPTIM_IN_BACKWARD,
@@ -90,9 +88,6 @@ EXCLUDED = {
     "test_ddp_build_debug_param_to_name_mapping_requires_grad": (
         "torch-private DDP._build_debug_param_to_name_mapping"),
     "test_detect_ddp_is_actually_static": "torch's reducer internals (reducer._ddp_graph_static())",
-    "test_ddp_buffer_hook_allreduce_return_future": _BUFFER_HOOK,
-    "test_ddp_buffer_hook_allreduce": _BUFFER_HOOK,
-    "test_ddp_broadcast_buffer_via_hook": _BUFFER_HOOK + " and _default_broadcast_coalesced",
     "test_ddp_has_finalized": "skipped upstream (unittest.skip); torch's reducer internals",
     "test_ddp_hook_pickling_powerSGD": ("skipped upstream as flaky; checks PowerSGDState pickling "
                                         "and torch.distributed log records"),
