@@ -176,6 +176,12 @@ class DDPLogger:
             self._stamps = {"forward_start": time.time_ns()}
             self._ready_order, self._buckets_reduced = None, None
 
+    @property
+    def graph_static(self):
+        """torch's reducer flag behind "can_set_static_graph": False once the set of
+        unused parameters (find_unused_parameters) changed between synced forwards."""
+        return "can_set_static_graph" not in self.ints
+
     def backward_armed(self, reducer):
         """The synced forward has ended and the reducer is armed for its backward."""
         if self.sampling:

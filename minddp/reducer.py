@@ -548,6 +548,11 @@ class Reducer:
         if self.find_unused:
             self.local_used.zero_()  # the next accumulation starts afresh
 
+    def _ddp_graph_static(self):
+        """torch's: whether every synced forward so far left the same parameters
+        unused (always, without find_unused_parameters or with static_graph)."""
+        return self.logger is None or self.logger.graph_static
+
     def install_futures(self, futures):
         """torch's reducer seam (`_install_post_backward_futures`, fed by a buffer comm
         hook): the next synced backward's finalize waits for `futures` after its buckets."""

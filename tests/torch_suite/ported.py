@@ -1219,6 +1219,67 @@ class PortedDDPTests:
         self.assertEqual(len(kept), 1)
         self.assertIs(kept[0], model[1].weight)
 
+    def test_ported_ddp_sync_module_states(self):
+        """torch.distributed.utils._sync_module_states, fed the wrapper's
+        process_group, broadcast_bucket_size and parameters_to_ignore, makes a
+        module the ranks had made apart equal to the source rank's."""
+        from torch.distributed.utils import _sync_module_states
+        torch.manual_seed(self.rank)
+        ddp = wrap(nn.Linear(2, 2, bias=False), bucket_cap_mb=1)
+        replacement = nn.Linear(2, 2, bias=False)
+        ddp.module = copy.deepcopy(replacement)
+        weight = ddp.module.weight.detach()
+        gathered = [torch.zeros_like(weight) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, weight)
+        self.assertNotEqual(gathered[0], gathered[1])
+        _sync_module_states(module=ddp.module, process_group=ddp.process_group,
+                            broadcast_bucket_size=ddp.broadcast_bucket_size, src=1,
+                            params_and_buffers_to_ignore=ddp.parameters_to_ignore)
+        self._same_on_all_ranks(list(ddp.module.state_dict().values()))
+        if self.rank == 1:
+            self.assertEqual(ddp.module.weight, replacement.weight)
+
+    def test_ported_detect_ddp_is_actually_static(self):
+        """reducer._ddp_graph_static() stays True while the same parameters go
+        unused every step (or with find_unused_parameters off), and turns False
+        once the unused set changes between steps."""
+        class Toy(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net1 = nn.Linear(10, 10, bias=False)
+                self.net2 = nn.Linear(10, 10)
+
+            def forward(self, x, skip_first):
+                return self.net2(x if skip_first else self.net1(x))
+
+        model = Toy()
+        x = inputs_of(self.rank, 1, 10)
+        for find_unused in (True, False):
+            with case(find_unused=find_unused):
+                ddp = wrap(model, find_unused_parameters=find_unused)
+                for _ in range(6):
+                    ddp(x, skip_first=find_unused).sum().backward()
+                    self.assertTrue(ddp.reducer._ddp_graph_static())
+        ddp = wrap(model, find_unused_parameters=True)
+        for step in range(6):
+            ddp(x, skip_first=step % 2 == 1).sum().backward()
+        self.assertFalse(ddp.reducer._ddp_graph_static())
+
+    def test_ported_ddp_device_mesh_initialization(self):
+        """A 1-D device mesh is taken and kept; with a process group too, or a
+        2-D mesh, the wrapper refuses with torch's words."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.distributed_c10d import _get_default_group
+        world = dist.get_world_size()
+        mesh = init_device_mesh("cpu", (world,))
+        model = nn.Sequential(nn.Linear(10, 10, bias=False), nn.Linear(10, 10, bias=False))
+        self.assertEqual(wrap(model, device_mesh=mesh).device_mesh, mesh)
+        with self.assertRaisesRegex(RuntimeError,
+                                    "Cannot specify both process_group and device_mesh"):
+            wrap(model, process_group=_get_default_group(), device_mesh=mesh)
+        with self.assertRaisesRegex(RuntimeError, "Only 1D device mesh is supported,"):
+            wrap(model, device_mesh=init_device_mesh("cpu", (2, world // 2)))
+
     @needs_torch_keyword("forward_sync_buffers")
     def test_ported_ddp_join_respects_forward_sync_buffers_false(self):
         """forward_sync_buffers=False: a rank-local buffer is not overwritten by

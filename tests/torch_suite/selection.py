@@ -68,9 +68,6 @@ EXCLUDED = {
         "test_ported_ddp_uneven_inputs_stop_iteration_with_comm"),
     "test_ddp_logging_data_gpu": ("GPU placement in the logging data (device_ids, output_device); "
                                   "its CPU twin test_ddp_logging_data_cpu is selected"),
-    "test_ddp_sync_module_states": ("tests torch.distributed.utils._sync_module_states, fed "
-                                    "DDP's internal broadcast_bucket_size and "
-                                    "parameters_to_ignore"),
     "test_ddp_profiling_autograd_profiler": _PROFILER,
     "test_ddp_profiling_torch_profiler": _PROFILER,
     "test_ddp_profiling_execution_trace": _PROFILER,
@@ -87,11 +84,9 @@ EXCLUDED = {
         "torch-private DDP._build_debug_param_to_name_mapping"),
     "test_ddp_build_debug_param_to_name_mapping_requires_grad": (
         "torch-private DDP._build_debug_param_to_name_mapping"),
-    "test_detect_ddp_is_actually_static": "torch's reducer internals (reducer._ddp_graph_static())",
     "test_ddp_has_finalized": "skipped upstream (unittest.skip); torch's reducer internals",
     "test_ddp_hook_pickling_powerSGD": ("skipped upstream as flaky; checks PowerSGDState pickling "
                                         "and torch.distributed log records"),
-    "test_ddp_device_mesh_initialization": "device_mesh (DTensor), needs GPUs",
     "test_ddp_sink_noclone": ("needs CUDA; test_torch_surface.py checks the same on the CPU "
                               "against torch's DDP"),
 }
