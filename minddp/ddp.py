@@ -414,8 +414,9 @@ class DistributedDataParallel(TorchDDP):
         if grad_enabled:
             self.reducer.forward_started()
         buffers = []
-        if self._buffer_hook_due(_BufferCommHookLocation.PRE_FORWARD):
-            self._sync_buffers()  # torch's: the hook instead of the broadcast
+        if hasattr(self, "buffer_hook"):  # torch's: the hook, before or after, not the broadcast
+            if self._check_sync_bufs_pre_fwd():
+                self._sync_buffers()
         elif self.world_size > 1 and self.will_sync_module_buffers():
             self._assign_modules_buffers()
             buffers = self.modules_buffers
@@ -440,13 +441,6 @@ class DistributedDataParallel(TorchDDP):
             inputs, kwargs = _to_device((inputs, kwargs),
                                         torch.device(self.device.type, self.device_ids[0]))
         return inputs, kwargs
-
-    def _buffer_hook_due(self, location):
-        """Whether the hook of `_register_buffer_comm_hook` syncs the buffers at
-        `location` in this forward (torch's rule: where the broadcast would)."""
-        hook = getattr(self, "buffer_hook", None)
-        return (hook is not None and hook.buffer_comm_hook_location == location and
-                self.will_sync_module_buffers())
 
     def _register_buffer_comm_hook(self, state, hook,
                                    comm_hook_location=_BufferCommHookLocation.POST_FORWARD):
@@ -483,7 +477,7 @@ class DistributedDataParallel(TorchDDP):
     def _post_forward(self, outputs):
         if self._use_python_reducer:
             return outputs
-        if self._buffer_hook_due(_BufferCommHookLocation.POST_FORWARD):
+        if self._check_sync_bufs_post_fwd():  # only with a buffer hook (torch's)
             self._sync_buffers()
         if torch.is_grad_enabled() and self._recomputing():
             return outputs

@@ -53,6 +53,7 @@ what would have gone wrong. Per bucket or per backward, never per gradient.
     stamp back    a stamp bucket 0 carried comes back with its sum (step_check.py)
 """
 import enum
+import warnings
 import weakref
 
 import torch
@@ -541,10 +542,7 @@ class Reducer:
         if self._used_future is not None:
             self._used_map()  # its reduction must not outlive the iteration
         self._replicas_agreed()
-        if self._installed:  # as torch's finalize: after every bucket is written
-            installed, self._installed = self._installed, []
-            self._wait(torch.futures.collect_all(installed), "the installed futures",
-                       "install_futures (a buffer comm hook's)")
+        self._wait_installed()
         if self.find_unused:
             self.local_used.zero_()  # the next accumulation starts afresh
 
@@ -564,6 +562,25 @@ class Reducer:
         self._installed.extend(futures)
 
     _install_post_backward_futures = install_futures
+
+    def _wait_installed(self):
+        """As torch's finalize, after every bucket is written: wait for the installed
+        futures. One that failed does not fail the backward (torch's does not either;
+        minddp warns); one still pending at the group's timeout does."""
+        installed, self._installed = self._installed, []
+        for future in installed:
+            try:
+                self._wait(future, "a future a buffer comm hook returned", "install_futures")
+            except RuntimeError as e:
+                if not future.done():
+                    raise RuntimeError(
+                        f"minddp (rank {self.rank}): a future the buffer comm hook returned "
+                        f"(_register_buffer_comm_hook) was still pending at the end of "
+                        f"backward, iteration {self.iterations}: {first_line(e)}") from e
+                warnings.warn(f"minddp (rank {self.rank}): a future the buffer comm hook "
+                              f"returned failed; training goes on, as under torch's DDP, with "
+                              f"those buffers as they are: {first_line(e.__cause__ or e)}",
+                              stacklevel=2)
 
     def _used_lookup(self):
         """index -> whether any rank used the parameter, or None when every one

@@ -35,7 +35,8 @@ gradient group's FIFO. Not earlier: whether a check is due follows the count
 of synced forwards, which is exactly what differs between ranks when the step
 check fails, and a check due on one rank only would pair its gather with a
 peer's bucket. The job computes the checksums on the communication thread
-(while finalize writes .grad; the optimizer steps only after backward) and
+(while finalize writes .grad; the optimizer steps only after backward; with a
+comm hook or optimizers in backward, once .grad is written: see below) and
 all-gathers one row per rank: [present, checksum of each parameter], world x
 (1 + parameters) int64 in all. Finalize waits for it at its end: a mismatch
 raises from backward on every rank with the same message (every rank reads
@@ -66,7 +67,8 @@ peer's note): never a hang.
   its own buckets, and its due steps follow its own synced forwards.
 
 Cost: one checksum pass over the weights (about as long as summing them once; on the
-communication thread, beside backward) and a collective of a few hundred
+communication thread, beside finalize's write-back, or after it where a comm hook
+reduces) and a collective of a few hundred
 bytes per checked step. docs/performance.md has the measured figures behind
 DEFAULT_INTERVAL.
 """

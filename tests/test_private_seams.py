@@ -9,12 +9,15 @@ test models (distributed_test.py's NetWithBuffers, its optimizer-parity setup).
 import copy
 import threading
 import time
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.nn.parallel.distributed import _BufferCommHookLocation as Where
 
 import minddp
 from dist_harness import run_world
@@ -31,6 +34,71 @@ def _allreduce_hook(ddp, named_buffers):
     futures = [dist.all_reduce(b, group=ddp.process_group, async_op=True).get_future()
                for b in named_buffers.values()]
     torch.futures.collect_all(futures).wait()
+
+
+class Counter(nn.Module):
+    """A buffer each forward counts up: rank-local state a buffer hook may keep or sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self, x):
+        self.count.add_(1)
+        return self.a(x)
+
+
+def _counts(rank, world_size, kind):
+    """The count after two steps, each rank starting at 10 * rank, for a hook that sums
+    it and one that keeps it local, before and after the forward. The hook replaces
+    the broadcast from rank 0 wherever it runs, so none of it is rank 0's copy."""
+    def summed(state, named):
+        dist.all_reduce(named["count"])
+
+    def kept(state, named):
+        return None
+
+    counts = {}
+    for hook in (summed, kept):
+        for where in (Where.PRE_FORWARD, Where.POST_FORWARD):
+            torch.manual_seed(0)
+            ddp = _wrap(kind, Counter())
+            ddp._register_buffer_comm_hook(None, hook, where)
+            ddp.module.count.fill_(10 * rank)
+            for _ in range(2):
+                ddp(torch.randn(2, 4)).sum().backward()
+            counts[hook.__name__, where.name] = ddp.module.count.item()
+    return counts
+
+
+def test_a_buffer_hook_replaces_the_broadcast_wherever_it_runs_as_torchs():
+    torch_counts = run_world(_counts, 2, "torch")
+    assert run_world(_counts, 2, "minddp") == torch_counts
+    assert torch_counts[1]["kept", "POST_FORWARD"] == 12.0  # no broadcast from rank 0
+    assert torch_counts[1]["summed", "POST_FORWARD"] == 26.0
+
+
+def _failed_future_run(rank, world_size, kind):
+    def hook(state, named):
+        future = torch.futures.Future()
+        future.set_exception(ValueError("the buffer sync broke"))
+        return [future]
+
+    ddp = _wrap(kind, Counter())
+    ddp._register_buffer_comm_hook(None, hook)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            ddp(torch.randn(2, 4)).sum().backward()
+    return [str(w.message) for w in caught if "buffer comm hook" in str(w.message)]
+
+
+def test_a_failed_future_of_a_buffer_hook_does_not_stop_training_as_in_torch():
+    assert run_world(_failed_future_run, 2, "torch") == [[], []]
+    for rank, messages in enumerate(run_world(_failed_future_run, 2, "minddp")):
+        assert len(messages) == 3, messages  # minddp warns where torch is silent
+        assert f"rank {rank}" in messages[0] and "the buffer sync broke" in messages[0]
 
 
 def _slow_future_run(rank, world_size, kind):
@@ -82,6 +150,8 @@ def _join_with_buffer_hook(rank, world_size):
     ddp._register_buffer_comm_hook(ddp, _allreduce_hook)
     with pytest.raises(NotImplementedError, match=f"rank {rank}.*join"):
         ddp.join()
+    with pytest.raises(NotImplementedError, match=f"rank {rank}.*join"):
+        Join([ddp])  # torch's generic join asks the wrapper for its hook
     return True
 
 
