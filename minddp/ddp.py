@@ -680,7 +680,6 @@ _TORCH_PRIVATE_NOT_PROVIDED = (
     "_register_accum_grad_hook", "_delayed_all_reduce_hook", "_register_delay_all_reduce_hook",
     "_fire_reducer_autograd_hook", "_root_copy_hook",
     "_module_wait_for_copy_hook", "_ddp_init_helper",
-    "_build_params_for_reducer", "_build_debug_param_to_name_mapping",
     "_get_parameters", "_run_ddp_forward", "_clear_grad_buffer", "_lazy_init",
     "_check_global_requires_backward_grad_sync", "_check_and_sync_module_buffers",
     "_sync_final_model", "_match_all_reduce_for_bwd_pass", "_match_unused_params_allreduce",

@@ -324,7 +324,9 @@ HARMLESS = {"scatter", "gather", "to_kwargs", "train", "_check_comm_hook", "_che
             # the buffer hook's and fused optimizer's parts (test_private_seams.py)
             "_register_fused_optim", "_check_sync_bufs_pre_fwd", "_check_sync_bufs_post_fwd",
             "_sync_buffers", "_sync_module_buffers", "_find_common_rank",
-            "_default_broadcast_coalesced", "_distributed_broadcast_coalesced"}
+            "_default_broadcast_coalesced", "_distributed_broadcast_coalesced",
+            # pure functions of the module that torch's tests call
+            "_build_params_for_reducer", "_build_debug_param_to_name_mapping"}
 
 
 def test_every_torch_method_is_minddps_refused_or_harmless():

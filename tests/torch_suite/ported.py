@@ -1219,6 +1219,37 @@ class PortedDDPTests:
         self.assertEqual(len(kept), 1)
         self.assertIs(kept[0], model[1].weight)
 
+    def test_ported_ddp_build_debug_param_to_name_mapping(self):
+        """_build_debug_param_to_name_mapping maps the indices of
+        _build_params_for_reducer's parameters to their names, leaves ignored ones
+        out, and raises on a list that does not match the module's."""
+        ddp = wrap(TwoHeads(), find_unused_parameters=True)  # a, b and c, c unused
+        params, _ = ddp._build_params_for_reducer()
+        self.assertDictEqual(ddp._build_debug_param_to_name_mapping(params),
+                             {0: "a.weight", 1: "b.weight", 2: "c.weight"})
+        model = TwoHeads()
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, ["a.weight"])
+        ddp = wrap(model, find_unused_parameters=True)
+        params, _ = ddp._build_params_for_reducer()
+        self.assertDictEqual(ddp._build_debug_param_to_name_mapping(params),
+                             {0: "b.weight", 1: "c.weight"})
+        ddp = wrap(TwoHeads(), find_unused_parameters=True)
+        params, _ = ddp._build_params_for_reducer()
+        longer = params + [nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1))]
+        with self.assertRaisesRegex(ValueError, "Expected param to name mapping"):
+            ddp._build_debug_param_to_name_mapping(longer)
+        with self.assertRaisesRegex(ValueError, "Param with name"):
+            ddp._build_debug_param_to_name_mapping(params[:-1])
+
+    def test_ported_ddp_build_debug_param_to_name_mapping_requires_grad(self):
+        """A parameter that does not require grad is not in the mapping."""
+        model = nn.Sequential(nn.Linear(10, 10))
+        model[0].bias.requires_grad_(False)
+        ddp = wrap(model)
+        params, _ = ddp._build_params_for_reducer()
+        self.assertEqual(ddp._build_debug_param_to_name_mapping(params), {0: "0.weight"})
+
     def test_ported_ddp_sync_module_states(self):
         """torch.distributed.utils._sync_module_states, fed the wrapper's
         process_group, broadcast_bucket_size and parameters_to_ignore, makes a

@@ -80,10 +80,6 @@ EXCLUDED = {
         "tests torch's _verify_param_shape_across_processes with " + _LOGGER),
     "test_verify_model_across_rank_without_logger": (
         "tests torch's _verify_param_shape_across_processes, not DDP"),
-    "test_ddp_build_debug_param_to_name_mapping": (
-        "torch-private DDP._build_debug_param_to_name_mapping"),
-    "test_ddp_build_debug_param_to_name_mapping_requires_grad": (
-        "torch-private DDP._build_debug_param_to_name_mapping"),
     "test_ddp_has_finalized": "skipped upstream (unittest.skip); torch's reducer internals",
     "test_ddp_hook_pickling_powerSGD": ("skipped upstream as flaky; checks PowerSGDState pickling "
                                         "and torch.distributed log records"),
